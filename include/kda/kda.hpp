@@ -1,0 +1,152 @@
+// kda: Kimi Delta Attention kernels. Public C++ API.
+//
+// One problem descriptor (kda::Problem) describes a KDA call: shapes, layouts and the fused
+// pre-processing options. Every entry point (chunked and recurrent forward, their backward, the
+// float64 oracle) takes the same descriptor plus typed views of the tensors, validates them in one
+// place and throws kda::Error with a message naming the offending argument.
+//
+// Tensor conventions (the ones flash-linear-attention's chunk_kda / fused_recurrent_kda use):
+//   q, k  [B, T, H,  K]        v     [B, T, HV, V]       g  [B, T, HV, K]       beta [B, T, HV]
+//   o     [B, T, HV, V]        A_log [HV] fp32           dt_bias [HV * K] fp32
+//   state [N, HV, K, V] (StateLayout::k_first) or [N, HV, V, K] (StateLayout::v_first), fp32,
+//         N = B, or the number of sequences when cu_seqlens is given (then B must be 1).
+// Activations may be strided in their B, T and head dimensions; the last dimension is contiguous.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+namespace kda {
+
+inline constexpr int64_t kMaxHeadDim = 256;   // largest K and V supported
+inline constexpr int64_t kChunkSize = 64;     // rows per chunk of the chunked (WY) form
+inline constexpr int64_t kSubChunkSize = 16;  // rows per sub-chunk inside a chunk
+
+// Every invalid argument is reported by throwing this; what() names the argument and what was expected.
+class Error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Element types of activations. Accumulation and states are always fp32.
+enum class DType : int32_t { f32 = 0, bf16 = 1 };
+
+// Layout of every state tensor of a call (initial, final, per-chunk, and their gradients).
+enum class StateLayout : int32_t {
+  k_first = 0,  // [.., K, V]: flash-linear-attention's default
+  v_first = 1,  // [.., V, K]: the Kimi layer, vLLM-style state pools, FlashKDA
+};
+
+// How the `g` tensor becomes the per-key-channel log decay (always <= 0).
+enum class GateMode : int32_t {
+  log_decay = 0,    // g is already the log decay
+  softplus = 1,     // g_raw: log decay = -exp(A_log[hv]) * softplus(g_raw + dt_bias[hv*K + d])
+  lower_bound = 2,  // g_raw: log decay = lower_bound * sigmoid(exp(A_log[hv]) * (g_raw + dt_bias))
+};
+
+// How the `beta` tensor becomes the delta-rule step size.
+enum class BetaMode : int32_t {
+  given = 0,       // beta is used as is
+  sigmoid = 1,     // beta = sigmoid(b)
+  sigmoid_x2 = 2,  // beta = 2 * sigmoid(b): allows negative eigenvalues of the transition
+};
+
+// Describes one KDA call. Shared by every path (chunked, recurrent, oracle, forward, backward).
+struct Problem {
+  int64_t batch = 1;        // B
+  int64_t seq_len = 0;      // T (total packed tokens when cu_seqlens is given)
+  int64_t heads = 0;        // H: query/key heads
+  int64_t value_heads = 0;  // HV: value heads, a multiple of H (grouped value attention)
+  int64_t key_dim = 0;      // K, 1..256
+  int64_t value_dim = 0;    // V, 1..256
+  // Packed variable-length batch: N+1 non-decreasing offsets from 0 to seq_len, with batch == 1.
+  // Empty: `batch` sequences of `seq_len` tokens each.
+  std::span<const int64_t> cu_seqlens{};
+  std::optional<float> scale{};  // multiplies q; default key_dim^-0.5
+  StateLayout state_layout = StateLayout::k_first;
+  bool qk_l2norm = false;  // normalise q and k per head: x * rsqrt(sum(x^2) + 1e-6)
+  GateMode gate = GateMode::log_decay;
+  float gate_lower_bound = -5.0f;  // used by GateMode::lower_bound; must be < 0
+  BetaMode beta = BetaMode::given;
+};
+
+// Read-only view of an activation tensor [B, T, heads, dim]; strides are in elements, the last
+// dimension is contiguous. make_input() fills in the packed (contiguous) strides.
+struct Input {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t stride_b = 0, stride_t = 0, stride_h = 0;
+};
+
+// Writable view of an activation tensor [B, T, heads, dim]; same conventions as Input.
+struct Output {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t stride_b = 0, stride_t = 0, stride_h = 0;
+};
+
+// Views with packed strides for a contiguous [B, T, heads, dim] tensor.
+Input make_input(const void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim);
+Output make_output(void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim);
+
+struct ForwardInputs {
+  Input q, k;                            // [B, T, H, K]
+  Input v;                               // [B, T, HV, V]
+  Input g;                               // [B, T, HV, K]: log decay, or raw gate input for the fused gates
+  Input beta;                            // [B, T, HV]: beta, or its raw logit for the sigmoid modes
+  const float* A_log = nullptr;          // [HV], fused gates only
+  const float* dt_bias = nullptr;        // [HV * K], fused gates only; optional (null = zeros)
+  const float* initial_state = nullptr;  // [N, HV, state]; optional (null = zeros)
+};
+
+struct ForwardOutputs {
+  Output o;                       // [B, T, HV, V]; its dtype must be v's dtype
+  float* final_state = nullptr;   // [N, HV, state]; optional
+  float* chunk_states = nullptr;  // [num_chunks(p), HV, state]: state entering every chunk; optional
+};
+
+struct BackwardInputs {
+  ForwardInputs fwd;
+  Input d_o;                             // [B, T, HV, V]: gradient of o, same dtype as v
+  const float* d_final_state = nullptr;  // [N, HV, state]: gradient of the final state; optional
+  // States entering every chunk, as returned by the forward's chunk_states. Optional: when null the
+  // chunked backward recomputes them (one extra forward state pass; no extra memory).
+  const float* chunk_states = nullptr;
+};
+
+struct BackwardOutputs {
+  Output dq, dk;  // [B, T, H, K], dtype of q / k; gradient of the raw q / k
+  Output dv;      // [B, T, HV, V], dtype of v
+  Output dg;      // [B, T, HV, K], dtype of g; gradient of g as passed (raw for fused gates)
+  Output dbeta;   // [B, T, HV], dtype of beta; gradient of beta as passed
+  float* d_initial_state = nullptr;  // [N, HV, state]; optional
+  float* dA_log = nullptr;           // [HV]; fused gates only, optional
+  float* ddt_bias = nullptr;         // [HV * K]; fused gates only, optional
+};
+
+struct RunOptions {
+  int num_threads = 0;  // 0: KDA_NUM_THREADS if set, else the hardware concurrency
+};
+
+// Number of sequences N of a problem (batch, or cu_seqlens.size() - 1).
+int64_t num_sequences(const Problem& p);
+// Total number of chunks over all sequences: sum of ceil(len_n / kChunkSize).
+int64_t num_chunks(const Problem& p);
+
+// Chunked (WY) forward: the prefill / training path.
+void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
+                   const RunOptions& opt = {});
+// Token-by-token forward: the serving and short-sequence path.
+void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
+                       const RunOptions& opt = {});
+// Chunked backward: every gradient of chunk_forward.
+void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
+                    const RunOptions& opt = {});
+// Token-by-token backward.
+void recurrent_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
+                        const RunOptions& opt = {});
+
+}  // namespace kda

@@ -1,0 +1,44 @@
+// Public C++ entry points: validate once, then hand the Plan to a backend.
+#include "core/parallel.hpp"
+#include "core/plan.hpp"
+#include "cpu/backend.hpp"
+
+namespace kda {
+
+Input make_input(const void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim) {
+  return Input{data, dtype, p.seq_len * heads * dim, heads * dim, dim};
+}
+
+Output make_output(void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim) {
+  return Output{data, dtype, p.seq_len * heads * dim, heads * dim, dim};
+}
+
+int64_t num_sequences(const Problem& p) { return core::plan_problem(p).num_sequences(); }
+
+int64_t num_chunks(const Problem& p) { return core::plan_problem(p).total_chunks; }
+
+void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
+                   const RunOptions& opt) {
+  core::Plan plan = core::plan_forward(p, in, out);
+  cpu::chunk_forward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+}
+
+void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
+                       const RunOptions& opt) {
+  core::Plan plan = core::plan_forward(p, in, out);
+  cpu::recurrent_forward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+}
+
+void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
+                    const RunOptions& opt) {
+  core::Plan plan = core::plan_backward(p, in, out);
+  cpu::chunk_backward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+}
+
+void recurrent_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
+                        const RunOptions& opt) {
+  core::Plan plan = core::plan_backward(p, in, out);
+  cpu::recurrent_backward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+}
+
+}  // namespace kda

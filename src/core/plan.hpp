@@ -1,0 +1,115 @@
+// The validated, resolved form of a kda::Problem that every backend and the oracle work from.
+// Validation happens exactly once, in plan.cpp; kernels trust a Plan.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kda/kda.hpp"
+
+namespace kda::core {
+
+// One sequence of the batch: where its tokens are and where its chunks are numbered from.
+struct Sequence {
+  int64_t batch_index;  // b of its tokens
+  int64_t first_token;  // t of its first token
+  int64_t length;       // number of tokens
+  int64_t first_chunk;  // index of its first chunk in the per-chunk state tensor
+};
+
+struct Plan {
+  Problem problem;
+  float scale = 1.0f;
+  int64_t H = 0, HV = 0, K = 0, V = 0;
+  int64_t group = 1;  // HV / H: value heads per query/key head
+  std::vector<Sequence> sequences;
+  int64_t total_chunks = 0;
+
+  int64_t num_sequences() const { return static_cast<int64_t>(sequences.size()); }
+  int64_t state_size() const { return K * V; }
+  // Offset of state (n, hv) in a [N, HV, state] tensor.
+  int64_t state_offset(int64_t n, int64_t hv) const { return (n * HV + hv) * K * V; }
+  bool v_first() const { return problem.state_layout == StateLayout::v_first; }
+  // Element (kk, vv) of one state, whatever the layout.
+  int64_t state_index(int64_t kk, int64_t vv) const { return v_first() ? vv * K + kk : kk * V + vv; }
+  bool fused_gate() const { return problem.gate != GateMode::log_decay; }
+};
+
+// Validates the problem alone (shapes, options, cu_seqlens).
+Plan plan_problem(const Problem& p);
+Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out);
+Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out);
+
+// ---- element access shared by all paths -------------------------------------------------------
+
+inline size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+  }
+  return 0;
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename View>
+inline auto element_ptr(const View& v, int64_t b, int64_t t, int64_t h) {
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(v.data)>>, const char, char>;
+  return static_cast<Byte*>(v.data) +
+         (b * v.stride_b + t * v.stride_t + h * v.stride_h) * static_cast<int64_t>(dtype_size(v.dtype));
+}
+
+// Reads `n` contiguous elements of row (b, t, h), converted to T (float or double).
+template <typename T>
+inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n, T* dst) {
+  const char* src = element_ptr(in, b, t, h);
+  switch (in.dtype) {
+    case DType::f32: {
+      const float* s = reinterpret_cast<const float*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(s[i]);
+      break;
+    }
+    case DType::bf16: {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(bf16_to_float(s[i]));
+      break;
+    }
+  }
+}
+
+// Writes `n` contiguous elements of row (b, t, h), converting from T to the view's dtype.
+template <typename T>
+inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_t n, const T* src) {
+  char* dst = element_ptr(out, b, t, h);
+  switch (out.dtype) {
+    case DType::f32: {
+      float* d = reinterpret_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(src[i]);
+      break;
+    }
+    case DType::bf16: {
+      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(static_cast<float>(src[i]));
+      break;
+    }
+  }
+}
+
+}  // namespace kda::core

@@ -1,0 +1,79 @@
+// Chunked (WY) forward on the CPU. One work item is one (sequence, value head): its chunks are
+// walked in order with the state kept in a per-thread K-first tile that stays in cache.
+// Per chunk (see docs: the chunked form), with S the entering state:
+//   Vn = U - W S          O = (scale Q e^G) S + P Vn          S' = e^{G_last} S + (K e^{G_last - G})^T Vn
+#include <memory>
+#include <vector>
+
+#include "core/parallel.hpp"
+#include "cpu/backend.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/chunk_forward.cpp"
+#include "cpu/chunk_intra-inl.h"
+#include "cpu/simd-inl.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kda::cpu::HWY_NAMESPACE {
+
+struct ForwardWork {
+  ChunkWork chunk;
+  Buffer<float> S;  // [K][Vp] state
+  Buffer<float> O;  // [C][Vp] output rows of one chunk
+  ForwardWork(int64_t K, int64_t V) : chunk(K, V), S(K * padded(V)), O(C * padded(V)) {}
+};
+
+void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out, int64_t n_seq,
+                 int64_t hv, ForwardWork& fw) {
+  const core::Sequence& seq = plan.sequences[n_seq];
+  ChunkWork& w = fw.chunk;
+  const int64_t K = plan.K, V = plan.V, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
+  float* S = fw.S.data();
+  float* O = fw.O.data();
+  load_state(plan, in.initial_state, n_seq, hv, S, Vp);
+  for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += C, ++c) {
+    const int64_t n = std::min(C, seq.length - t0);
+    if (out.chunk_states != nullptr) store_state(plan, S, Vp, out.chunk_states, seq.first_chunk + c, hv);
+    prepare_chunk(plan, in, seq, hv, t0, n, w);
+    float* W = w.W();
+    float* Vn = w.U();  // U becomes Vn in place
+    gemm(n, Vp, K, W, ldx, 1, S, Vp, Vn, ldx, Accumulate::subtract);
+    gemm(n, Vp, K, w.Qe.data(), Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
+    for (int64_t s = 0; s < n; s += kSub) {
+      const int64_t e = std::min(s + kSub, n);
+      gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
+    }
+    for (int64_t i = 0; i < n; ++i)
+      core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
+    const float* decay = w.decay_last.data();
+    for (int64_t kk = 0; kk < K; ++kk) scale_row(decay[kk], S + kk * Vp, S + kk * Vp, Vp);
+    gemm(K, Vp, n, w.Kd.data(), 1, Kp, Vn, ldx, S, Vp, Accumulate::add);
+  }
+  if (out.final_state != nullptr) store_state(plan, S, Vp, out.final_state, n_seq, hv);
+}
+
+void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
+                  int num_threads) {
+  std::vector<std::unique_ptr<ForwardWork>> work(static_cast<size_t>(std::max(num_threads, 1)));
+  core::parallel_for(plan.num_sequences() * plan.HV, num_threads, [&](int64_t item, int worker) {
+    auto& w = work[static_cast<size_t>(worker)];
+    if (!w) w = std::make_unique<ForwardWork>(plan.K, plan.V);
+    forward_one(plan, in, out, item / plan.HV, item % plan.HV, *w);
+  });
+}
+
+}  // namespace kda::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kda::cpu {
+HWY_EXPORT(ChunkForward);
+
+void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
+                   int num_threads) {
+  HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, num_threads);
+}
+}  // namespace kda::cpu
+#endif

@@ -1,0 +1,199 @@
+// The intra-chunk half of the chunked (WY) form, shared by the chunked forward and backward:
+// gather one chunk, accumulate its gate, build the decay factors, the lower-triangular matrices L
+// and P, and solve (I + L) [W | U] = [diag(beta) K e^G | diag(beta) V].
+// Compiled per Highway target: include after simd-inl.h, inside no namespace.
+//
+// Exactness: every exponential has an argument <= 0. Gate sums are kept in double so that
+// exp(G_i - G_j) is accurate even after a -1000 spike earlier in the chunk; the diagonal 16 x 16
+// blocks use per-element products of exp(g_t) <= 1 (never a split around an anchor), and the
+// off-diagonal blocks are anchored at the first row of the query sub-chunk.
+
+#if defined(KDA_CPU_CHUNK_INTRA_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDA_CPU_CHUNK_INTRA_INL_H_
+#undef KDA_CPU_CHUNK_INTRA_INL_H_
+#else
+#define KDA_CPU_CHUNK_INTRA_INL_H_
+#endif
+
+#include "cpu/simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kda::cpu::HWY_NAMESPACE {
+
+inline constexpr int64_t C = kChunkSize;
+inline constexpr int64_t kSub = kSubChunkSize;
+
+// Working memory for one chunk of one (sequence, value head); one per thread, reused across chunks.
+struct ChunkWork {
+  int64_t K = 0, V = 0, Kp = 0, Vp = 0, ldx = 0;
+  Buffer<float> q, k, v, g, beta, q_rstd, k_rstd;  // gathered rows, see ChunkRows
+  Buffer<double> G;                                // [C][Kp]: inclusive chunk-local cumsum of g
+  Buffer<float> eg;                                // [C][Kp]: exp(g_t)
+  Buffer<float> Qe;                                // [C][Kp]: scale * q * exp(G)
+  Buffer<float> Kg;                                // [C][Kp]: k * exp(G)
+  Buffer<float> Kd;                                // [C][Kp]: k * exp(G_last - G)
+  Buffer<float> decay_last;                        // [Kp]: exp(G_last)
+  Buffer<float> L, P;       // [C][C]: beta_i k_i.k_j E_ij (j < i); scale q_i.k_j E_ij (j <= i); zero above
+  Buffer<float> X;          // [C][ldx]: [W | U] after solve_wy (ldx = Kp + Vp)
+  Buffer<float> qa, ka;     // [kSub][Kp]: anchored query-side factors of one sub-chunk
+  Buffer<float> kbT;        // [Kp][C]: anchored key-side factors, transposed
+  Buffer<float> row;        // [Kp] scratch
+  Buffer<double> zero_row;  // [Kp] zeros: G of the row before the chunk
+
+  ChunkWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), ldx(Kp + Vp) {
+    q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
+    beta.reset(C), q_rstd.reset(C), k_rstd.reset(C);
+    G.reset(C * Kp), eg.reset(C * Kp), Qe.reset(C * Kp), Kg.reset(C * Kp), Kd.reset(C * Kp);
+    decay_last.reset(Kp), L.reset(C * C), P.reset(C * C), X.reset(C * ldx);
+    qa.reset(kSub * Kp), ka.reset(kSub * Kp), kbT.reset(Kp * C), row.reset(Kp), zero_row.reset(Kp);
+  }
+  ChunkRows rows() {
+    return {q.data(), k.data(), v.data(), g.data(), beta.data(), q_rstd.data(), k_rstd.data()};
+  }
+  float* W() const { return X.data(); }
+  float* U() const { return X.data() + Kp; }
+};
+
+// out[d] = exp(a[d] - b[d]) for d < n (n a multiple of kPad); the differences are taken in double.
+// Callers guarantee a <= b elementwise (a later or equal prefix of non-positive gates).
+HWY_INLINE void exp_of_difference(const double* a, const double* b, float* out, int64_t n) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dh;
+  const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
+  for (int64_t i = 0; i < n; i += Ld)
+    hn::StoreU(hn::DemoteTo(dh, hn::Sub(hn::LoadU(dd, a + i), hn::LoadU(dd, b + i))), dh, out + i);
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, out + i)), d, out + i);
+}
+
+// y = x * f (elementwise) times s.
+HWY_INLINE void mul_rows(const float* x, const float* f, float s, float* y, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const VF vs = hn::Set(d, s);
+  for (int64_t i = 0; i < n; i += L)
+    hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, x + i), hn::LoadU(d, f + i))), d, y + i);
+}
+
+// Gate cumsum (double), exp(g), and the decay factors Qe, Kg, Kd, decay_last for rows [0, n).
+inline void build_decay_factors(ChunkWork& w, int64_t n, float scale) {
+  const int64_t Kp = w.Kp;
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = w.g.data() + i * Kp;
+    double* G = w.G.data() + i * Kp;
+    const double* Gprev = i > 0 ? G - Kp : nullptr;
+    for (int64_t c = 0; c < Kp; ++c) G[c] = (Gprev ? Gprev[c] : 0.0) + static_cast<double>(g[c]);
+    float* eg = w.eg.data() + i * Kp;
+    for (int64_t c = 0; c < Kp; c += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + c)), d, eg + c);
+  }
+  const double* zero = w.zero_row.data();
+  float* f = w.row.data();
+  const double* Glast = w.G.data() + (n - 1) * Kp;
+  for (int64_t i = 0; i < n; ++i) {
+    const double* Gi = w.G.data() + i * Kp;
+    exp_of_difference(Gi, zero, f, Kp);
+    mul_rows(w.q.data() + i * Kp, f, scale, w.Qe.data() + i * Kp, Kp);
+    mul_rows(w.k.data() + i * Kp, f, 1.0f, w.Kg.data() + i * Kp, Kp);
+    exp_of_difference(Glast, Gi, f, Kp);
+    mul_rows(w.k.data() + i * Kp, f, 1.0f, w.Kd.data() + i * Kp, Kp);
+  }
+  exp_of_difference(Glast, zero, w.decay_last.data(), Kp);
+}
+
+// L and P for rows [0, n): diagonal sub-blocks per element, off-diagonal ones by anchored products.
+inline void build_intra(ChunkWork& w, int64_t n, float scale) {
+  const int64_t Kp = w.Kp, K = w.K;
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  float* Lm = w.L.data();
+  float* Pm = w.P.data();
+  std::fill(Lm, Lm + C * C, 0.0f);
+  std::fill(Pm, Pm + C * C, 0.0f);
+  float* E = w.row.data();
+  for (int64_t s = 0; s < n; s += kSub) {
+    const int64_t e = std::min(s + kSub, n);
+    // Diagonal block: E_ij = prod_{t=j+1..i} exp(g_t), built from j = i downwards.
+    for (int64_t i = s; i < e; ++i) {
+      const float* qi = w.q.data() + i * Kp;
+      const float* ki = w.k.data() + i * Kp;
+      Pm[i * C + i] = scale * dot(qi, ki, Kp);
+      for (int64_t c = 0; c < Kp; c += L) hn::StoreU(hn::Set(d, 1.0f), d, E + c);
+      const float bi = w.beta[i];
+      for (int64_t j = i - 1; j >= s; --j) {
+        const float* a = w.eg.data() + (j + 1) * Kp;
+        const float* kj = w.k.data() + j * Kp;
+        VF accq = hn::Zero(d), acck = hn::Zero(d);
+        for (int64_t c = 0; c < Kp; c += L) {
+          const VF ec = hn::Mul(hn::LoadU(d, E + c), hn::LoadU(d, a + c));
+          hn::StoreU(ec, d, E + c);
+          const VF kje = hn::Mul(hn::LoadU(d, kj + c), ec);
+          accq = hn::MulAdd(hn::LoadU(d, qi + c), kje, accq);
+          acck = hn::MulAdd(hn::LoadU(d, ki + c), kje, acck);
+        }
+        Pm[i * C + j] = scale * hn::GetLane(hn::SumOfLanes(d, accq));
+        Lm[i * C + j] = bi * hn::GetLane(hn::SumOfLanes(d, acck));
+      }
+    }
+    if (s == 0) continue;
+    // Off-diagonal blocks (rows [s, e), columns [0, s)), anchored at row s:
+    // (q_i e^{G_i - G_s}) . (k_j e^{G_s - G_j}), both exponents <= 0.
+    const double* Gs = w.G.data() + s * Kp;
+    for (int64_t i = s; i < e; ++i) {
+      exp_of_difference(w.G.data() + i * Kp, Gs, E, Kp);
+      mul_rows(w.q.data() + i * Kp, E, scale, w.qa.data() + (i - s) * Kp, Kp);
+      mul_rows(w.k.data() + i * Kp, E, w.beta[i], w.ka.data() + (i - s) * Kp, Kp);
+    }
+    float* kbT = w.kbT.data();
+    for (int64_t j = 0; j < s; ++j) {
+      exp_of_difference(Gs, w.G.data() + j * Kp, E, Kp);
+      const float* kj = w.k.data() + j * Kp;
+      for (int64_t c = 0; c < K; ++c) kbT[c * C + j] = kj[c] * E[c];
+    }
+    gemm(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
+    gemm(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);
+  }
+}
+
+// Solves (I + L) X = [diag(beta) K e^G | diag(beta) V] in place for rows [0, n): forward
+// substitution, one 16-row block at a time (a product with the solved rows, then the block itself).
+inline void solve_wy(ChunkWork& w, int64_t n) {
+  const int64_t Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  float* X = w.X.data();
+  for (int64_t i = 0; i < n; ++i) {
+    scale_row(w.beta[i], w.Kg.data() + i * Kp, X + i * ldx, Kp);
+    scale_row(w.beta[i], w.v.data() + i * Vp, X + i * ldx + Kp, Vp);
+  }
+  const float* Lm = w.L.data();
+  for (int64_t s = 0; s < n; s += kSub) {
+    const int64_t e = std::min(s + kSub, n);
+    if (s > 0) gemm(e - s, ldx, s, Lm + s * C, C, 1, X, ldx, X + s * ldx, ldx, Accumulate::subtract);
+    for (int64_t i = s + 1; i < e; ++i) {
+      float* xi = X + i * ldx;
+      for (int64_t j = s; j < i; ++j) {
+        const VF lij = hn::Set(d, Lm[i * C + j]);
+        const float* xj = X + j * ldx;
+        for (int64_t c = 0; c < ldx; c += L)
+          hn::StoreU(hn::NegMulAdd(lij, hn::LoadU(d, xj + c), hn::LoadU(d, xi + c)), d, xi + c);
+      }
+    }
+  }
+}
+
+// Gathers rows [t_begin, t_begin + n) of (sequence, hv) and runs every intra-chunk step.
+inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
+                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w) {
+  load_chunk_rows(plan, in, seq, hv, t_begin, n, w.rows());
+  build_decay_factors(w, n, plan.scale);
+  build_intra(w, n, plan.scale);
+  solve_wy(w, n);
+}
+
+}  // namespace kda::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // KDA_CPU_CHUNK_INTRA_INL_H_

@@ -1,0 +1,220 @@
+// SIMD building blocks shared by the CPU kernels, compiled once per Highway target.
+// Include this from a file that is itself compiled per target (foreach_target.h), inside no namespace.
+//
+//   gemm()            register-blocked C (=, +=, -=) A * B over padded row-major tiles
+//   exp / gate        overflow-safe vector exponentials and the fused gate / beta / L2 norm
+//   load_chunk_rows() gathers and pre-processes rows of one (sequence, value head) into tiles
+
+// Per-target include guard (Highway's convention): toggled for every target.
+#if defined(KDA_CPU_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDA_CPU_SIMD_INL_H_
+#undef KDA_CPU_SIMD_INL_H_
+#else
+#define KDA_CPU_SIMD_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/plan.hpp"
+#include "core/preprocess.hpp"
+#include "cpu/workspace.hpp"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kda::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// ---- matrix products over tiles ------------------------------------------------------------------
+
+enum class Accumulate { overwrite, add, subtract };
+
+// Rows of the register tile and vectors per row: 4 x 4 AVX-512 vectors keep 16 accumulators, the
+// B row and one broadcast in the 32 registers; AVX2 has 16 registers, so 4 x 2.
+inline constexpr int kTileRows = 4;
+inline constexpr int kTileVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
+
+template <int MR, int NV>
+HWY_INLINE void gemm_tile(int64_t inner, const float* HWY_RESTRICT A, int64_t a_rs, int64_t a_cs,
+                          const float* HWY_RESTRICT B, int64_t ldb, float* HWY_RESTRICT C, int64_t ldc,
+                          Accumulate mode) {
+  const DF d;
+  const size_t L = hn::Lanes(d);
+  VF acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = hn::Zero(d);
+  for (int64_t p = 0; p < inner; ++p) {
+    const float* brow = B + p * ldb;
+    VF b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = hn::LoadU(d, brow + v * L);
+    for (int m = 0; m < MR; ++m) {
+      const VF a = hn::Set(d, A[m * a_rs + p * a_cs]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = hn::MulAdd(a, b[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NV; ++v) {
+      float* c = C + m * ldc + v * L;
+      switch (mode) {
+        case Accumulate::overwrite: hn::StoreU(acc[m][v], d, c); break;
+        case Accumulate::add: hn::StoreU(hn::Add(hn::LoadU(d, c), acc[m][v]), d, c); break;
+        case Accumulate::subtract: hn::StoreU(hn::Sub(hn::LoadU(d, c), acc[m][v]), d, c); break;
+      }
+    }
+  }
+}
+
+template <int MR>
+HWY_INLINE void gemm_rows(int nv, int64_t inner, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                          int64_t ldb, float* C, int64_t ldc, Accumulate mode) {
+  switch (nv) {
+    case 1: gemm_tile<MR, 1>(inner, A, a_rs, a_cs, B, ldb, C, ldc, mode); break;
+    case 2: gemm_tile<MR, 2>(inner, A, a_rs, a_cs, B, ldb, C, ldc, mode); break;
+    case 3:
+      if constexpr (kTileVectors >= 3) gemm_tile<MR, 3>(inner, A, a_rs, a_cs, B, ldb, C, ldc, mode);
+      break;
+    case 4:
+      if constexpr (kTileVectors >= 4) gemm_tile<MR, 4>(inner, A, a_rs, a_cs, B, ldb, C, ldc, mode);
+      break;
+  }
+}
+
+// C[M, N] (=, +=, -=) A[M, inner] * B[inner, N].
+// A(m, p) = A[m * a_rs + p * a_cs], so a transposed A is just other strides.
+// B and C are row-major with leading dimensions ldb, ldc; N must be a multiple of kPad (tiles are
+// padded), so whole vectors are always read and written.
+inline void gemm(int64_t M, int64_t N, int64_t inner, const float* A, int64_t a_rs, int64_t a_cs,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, Accumulate mode) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t vectors = N / L;
+  for (int64_t j = 0; j < vectors; j += kTileVectors) {
+    const int nv = static_cast<int>(std::min<int64_t>(kTileVectors, vectors - j));
+    const float* Bj = B + j * L;
+    float* Cj = C + j * L;
+    int64_t m = 0;
+    for (; m + kTileRows <= M; m += kTileRows)
+      gemm_rows<kTileRows>(nv, inner, A + m * a_rs, a_rs, a_cs, Bj, ldb, Cj + m * ldc, ldc, mode);
+    switch (M - m) {
+      case 1: gemm_rows<1>(nv, inner, A + m * a_rs, a_rs, a_cs, Bj, ldb, Cj + m * ldc, ldc, mode); break;
+      case 2: gemm_rows<2>(nv, inner, A + m * a_rs, a_rs, a_cs, Bj, ldb, Cj + m * ldc, ldc, mode); break;
+      case 3: gemm_rows<3>(nv, inner, A + m * a_rs, a_rs, a_cs, Bj, ldb, Cj + m * ldc, ldc, mode); break;
+      default: break;
+    }
+  }
+}
+
+// ---- small vector helpers ------------------------------------------------------------------------
+
+// dot(a, b) over n floats, n a multiple of the vector length (padded tiles).
+HWY_INLINE float dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  VF acc = hn::Zero(d);
+  for (int64_t i = 0; i < n; i += L) acc = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, b + i), acc);
+  return hn::GetLane(hn::SumOfLanes(d, acc));
+}
+
+// y[i] = a * x[i] over n floats (n a multiple of the vector length).
+HWY_INLINE void scale_row(float a, const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const VF va = hn::Set(d, a);
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(hn::Mul(va, hn::LoadU(d, x + i)), d, y + i);
+}
+
+// exp(x) for x <= 0 (clamped there), 0 on underflow: never inf, never NaN for finite x.
+HWY_INLINE VF exp_nonpositive(DF d, VF x) { return hn::Exp(d, hn::Min(x, hn::Zero(d))); }
+
+// sigmoid(x) = 1 / (1 + exp(-x)), with exp's argument clamped so it cannot overflow.
+HWY_INLINE VF sigmoid(DF d, VF x) {
+  const VF e = hn::Exp(d, hn::Min(hn::Neg(x), hn::Set(d, 80.0f)));
+  return hn::Div(hn::Set(d, 1.0f), hn::Add(hn::Set(d, 1.0f), e));
+}
+
+// Log decay from the raw gate input (GateMode::softplus / lower_bound) for n floats.
+// bias may be null (zeros). Elements past the last whole vector use the scalar definition.
+inline void gate_row(GateMode mode, float a, float lower_bound, const float* bias, const float* raw,
+                     float* out, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const VF va = hn::Set(d, a);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    VF x = hn::LoadU(d, raw + i);
+    if (bias != nullptr) x = hn::Add(x, hn::LoadU(d, bias + i));
+    VF y;
+    if (mode == GateMode::softplus) {
+      const VF lin = hn::Set(d, static_cast<float>(core::kSoftplusLinear));
+      const VF sp = hn::Log1p(d, hn::Exp(d, hn::Min(x, lin)));
+      y = hn::Neg(hn::Mul(va, hn::IfThenElse(hn::Gt(x, lin), x, sp)));
+    } else {
+      y = hn::Mul(hn::Set(d, lower_bound), sigmoid(d, hn::Mul(va, x)));
+    }
+    hn::StoreU(y, d, out + i);
+  }
+  for (; i < n; ++i)
+    out[i] = core::gate_forward<float>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0f, lower_bound);
+}
+
+// ---- gathering a chunk ---------------------------------------------------------------------------
+
+// Tiles for up to kChunkSize rows of one (sequence, value head), pre-processed. Rows are padded to
+// Kp = padded(K) and Vp = padded(V) floats; padded lanes stay zero.
+struct ChunkRows {
+  float* q;       // [rows][Kp], L2-normalised when the problem asks for it
+  float* k;       // [rows][Kp]
+  float* v;       // [rows][Vp]
+  float* g;       // [rows][Kp], log decay (<= 0)
+  float* beta;    // [rows]
+  float* q_rstd;  // [rows], 1/sqrt(sum q^2 + eps) of the raw row (1 when not normalised); may be null
+  float* k_rstd;  // [rows]; may be null
+};
+
+HWY_INLINE float l2norm_row(float* x, int64_t Kp) {
+  const float ss = dot(x, x, Kp);
+  const float rstd = 1.0f / std::sqrt(ss + static_cast<float>(core::kL2NormEps));
+  scale_row(rstd, x, x, Kp);
+  return rstd;
+}
+
+// Loads rows [t_begin, t_begin + n) (relative to the sequence start) of value head hv.
+inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
+                            int64_t hv, int64_t t_begin, int64_t n, const ChunkRows& rows) {
+  const Problem& p = plan.problem;
+  const int64_t K = plan.K, V = plan.V, Kp = padded(K), Vp = padded(V);
+  const int64_t h = hv / plan.group;
+  const int64_t b = seq.batch_index;
+  const float a = plan.fused_gate() ? std::exp(in.A_log[hv]) : 0.0f;
+  const float* bias = (plan.fused_gate() && in.dt_bias != nullptr) ? in.dt_bias + hv * K : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = seq.first_token + t_begin + i;
+    float* q = rows.q + i * Kp;
+    float* k = rows.k + i * Kp;
+    core::load_row(in.q, b, t, h, K, q);
+    core::load_row(in.k, b, t, h, K, k);
+    float qr = 1.0f, kr = 1.0f;
+    if (p.qk_l2norm) {
+      qr = l2norm_row(q, Kp);
+      kr = l2norm_row(k, Kp);
+    }
+    if (rows.q_rstd != nullptr) rows.q_rstd[i] = qr;
+    if (rows.k_rstd != nullptr) rows.k_rstd[i] = kr;
+    core::load_row(in.v, b, t, hv, V, rows.v + i * Vp);
+    float* g = rows.g + i * Kp;
+    core::load_row(in.g, b, t, hv, K, g);
+    if (plan.fused_gate()) gate_row(p.gate, a, p.gate_lower_bound, bias, g, g, K);
+    float beta;
+    core::load_row(in.beta, b, t, hv, 1, &beta);
+    rows.beta[i] = core::beta_forward<float>(p.beta, beta);
+  }
+}
+
+}  // namespace kda::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // KDA_CPU_SIMD_INL_H_
