@@ -8,12 +8,15 @@
 #include "core/parallel.hpp"
 #include "cpu/backend.hpp"
 
+// foreach_target.h re-includes this file once per SIMD target; the order below matters.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/chunk_forward.cpp"
-#include "cpu/chunk_intra-inl.h"
-#include "cpu/simd-inl.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "cpu/simd-inl.h"
+#include "cpu/chunk_intra-inl.h"
+// clang-format on
 
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {

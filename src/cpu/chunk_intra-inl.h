@@ -29,12 +29,16 @@ struct ChunkWork {
   Buffer<float> q, k, v, g, beta, q_rstd, k_rstd;  // gathered rows, see ChunkRows
   Buffer<double> G;                                // [C][Kp]: inclusive chunk-local cumsum of g
   Buffer<float> eg;                                // [C][Kp]: exp(g_t)
+  Buffer<float> eG;                                // [C][Kp]: exp(G)
+  Buffer<float> eGd;                               // [C][Kp]: exp(G_last - G)
   Buffer<float> Qe;                                // [C][Kp]: scale * q * exp(G)
   Buffer<float> Kg;                                // [C][Kp]: k * exp(G)
   Buffer<float> Kd;                                // [C][Kp]: k * exp(G_last - G)
   Buffer<float> decay_last;                        // [Kp]: exp(G_last)
   Buffer<float> L, P;       // [C][C]: beta_i k_i.k_j E_ij (j < i); scale q_i.k_j E_ij (j <= i); zero above
   Buffer<float> X;          // [C][ldx]: [W | U] after solve_wy (ldx = Kp + Vp)
+  Buffer<float> fq;         // [kSub][Kp]: exp(G_i - G_s) of one query sub-chunk (anchored_factors)
+  Buffer<float> fk;         // [C][Kp]: exp(G_s - G_j) for the rows before it
   Buffer<float> qa, ka;     // [kSub][Kp]: anchored query-side factors of one sub-chunk
   Buffer<float> kbT;        // [Kp][C]: anchored key-side factors, transposed
   Buffer<float> row;        // [Kp] scratch
@@ -43,9 +47,11 @@ struct ChunkWork {
   ChunkWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), ldx(Kp + Vp) {
     q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
     beta.reset(C), q_rstd.reset(C), k_rstd.reset(C);
-    G.reset(C * Kp), eg.reset(C * Kp), Qe.reset(C * Kp), Kg.reset(C * Kp), Kd.reset(C * Kp);
+    G.reset(C * Kp), eg.reset(C * Kp), eG.reset(C * Kp), eGd.reset(C * Kp), Qe.reset(C * Kp),
+        Kg.reset(C * Kp), Kd.reset(C * Kp);
     decay_last.reset(Kp), L.reset(C * C), P.reset(C * C), X.reset(C * ldx);
-    qa.reset(kSub * Kp), ka.reset(kSub * Kp), kbT.reset(Kp * C), row.reset(Kp), zero_row.reset(Kp);
+    fq.reset(kSub * Kp), fk.reset(C * Kp), qa.reset(kSub * Kp), ka.reset(kSub * Kp), kbT.reset(Kp * C),
+        row.reset(Kp), zero_row.reset(Kp);
   }
   ChunkRows rows() {
     return {q.data(), k.data(), v.data(), g.data(), beta.data(), q_rstd.data(), k_rstd.data()};
@@ -76,7 +82,8 @@ HWY_INLINE void mul_rows(const float* x, const float* f, float s, float* y, int6
     hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, x + i), hn::LoadU(d, f + i))), d, y + i);
 }
 
-// Gate cumsum (double), exp(g), and the decay factors Qe, Kg, Kd, decay_last for rows [0, n).
+// Gate cumsum (double), exp(g), exp(G), exp(G_last - G) and the decay factors Qe, Kg, Kd,
+// decay_last for rows [0, n).
 inline void build_decay_factors(ChunkWork& w, int64_t n, float scale) {
   const int64_t Kp = w.Kp;
   const DF d;
@@ -90,17 +97,28 @@ inline void build_decay_factors(ChunkWork& w, int64_t n, float scale) {
     for (int64_t c = 0; c < Kp; c += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + c)), d, eg + c);
   }
   const double* zero = w.zero_row.data();
-  float* f = w.row.data();
   const double* Glast = w.G.data() + (n - 1) * Kp;
   for (int64_t i = 0; i < n; ++i) {
     const double* Gi = w.G.data() + i * Kp;
-    exp_of_difference(Gi, zero, f, Kp);
-    mul_rows(w.q.data() + i * Kp, f, scale, w.Qe.data() + i * Kp, Kp);
-    mul_rows(w.k.data() + i * Kp, f, 1.0f, w.Kg.data() + i * Kp, Kp);
-    exp_of_difference(Glast, Gi, f, Kp);
-    mul_rows(w.k.data() + i * Kp, f, 1.0f, w.Kd.data() + i * Kp, Kp);
+    float* eG = w.eG.data() + i * Kp;
+    float* eGd = w.eGd.data() + i * Kp;
+    exp_of_difference(Gi, zero, eG, Kp);
+    exp_of_difference(Glast, Gi, eGd, Kp);
+    mul_rows(w.q.data() + i * Kp, eG, scale, w.Qe.data() + i * Kp, Kp);
+    mul_rows(w.k.data() + i * Kp, eG, 1.0f, w.Kg.data() + i * Kp, Kp);
+    mul_rows(w.k.data() + i * Kp, eGd, 1.0f, w.Kd.data() + i * Kp, Kp);
   }
   exp_of_difference(Glast, zero, w.decay_last.data(), Kp);
+}
+
+// Factors of the off-diagonal blocks of query sub-chunk [s, e), anchored at its first row s:
+// fq[i - s] = exp(G_i - G_s) for i in [s, e) and fk[j] = exp(G_s - G_j) for j < s; both <= 1, and
+// E_ij = fq[i - s] * fk[j] for every i >= s > j.
+inline void anchored_factors(ChunkWork& w, int64_t s, int64_t e) {
+  const int64_t Kp = w.Kp;
+  const double* Gs = w.G.data() + s * Kp;
+  for (int64_t i = s; i < e; ++i) exp_of_difference(w.G.data() + i * Kp, Gs, w.fq.data() + (i - s) * Kp, Kp);
+  for (int64_t j = 0; j < s; ++j) exp_of_difference(Gs, w.G.data() + j * Kp, w.fk.data() + j * Kp, Kp);
 }
 
 // L and P for rows [0, n): diagonal sub-blocks per element, off-diagonal ones by anchored products.
@@ -140,17 +158,17 @@ inline void build_intra(ChunkWork& w, int64_t n, float scale) {
     if (s == 0) continue;
     // Off-diagonal blocks (rows [s, e), columns [0, s)), anchored at row s:
     // (q_i e^{G_i - G_s}) . (k_j e^{G_s - G_j}), both exponents <= 0.
-    const double* Gs = w.G.data() + s * Kp;
+    anchored_factors(w, s, e);
     for (int64_t i = s; i < e; ++i) {
-      exp_of_difference(w.G.data() + i * Kp, Gs, E, Kp);
-      mul_rows(w.q.data() + i * Kp, E, scale, w.qa.data() + (i - s) * Kp, Kp);
-      mul_rows(w.k.data() + i * Kp, E, w.beta[i], w.ka.data() + (i - s) * Kp, Kp);
+      const float* f = w.fq.data() + (i - s) * Kp;
+      mul_rows(w.q.data() + i * Kp, f, scale, w.qa.data() + (i - s) * Kp, Kp);
+      mul_rows(w.k.data() + i * Kp, f, w.beta[i], w.ka.data() + (i - s) * Kp, Kp);
     }
     float* kbT = w.kbT.data();
     for (int64_t j = 0; j < s; ++j) {
-      exp_of_difference(Gs, w.G.data() + j * Kp, E, Kp);
+      const float* f = w.fk.data() + j * Kp;
       const float* kj = w.k.data() + j * Kp;
-      for (int64_t c = 0; c < K; ++c) kbT[c * C + j] = kj[c] * E[c];
+      for (int64_t c = 0; c < K; ++c) kbT[c * C + j] = kj[c] * f[c];
     }
     gemm(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
     gemm(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);

@@ -120,7 +120,7 @@ HWY_INLINE float dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, i
 }
 
 // y[i] = a * x[i] over n floats (n a multiple of the vector length).
-HWY_INLINE void scale_row(float a, const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int64_t n) {
+HWY_INLINE void scale_row(float a, const float* x, float* y, int64_t n) {
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   const VF va = hn::Set(d, a);
@@ -208,7 +208,7 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
     float* g = rows.g + i * Kp;
     core::load_row(in.g, b, t, hv, K, g);
     if (plan.fused_gate()) gate_row(p.gate, a, p.gate_lower_bound, bias, g, g, K);
-    float beta;
+    float beta = 0.0f;
     core::load_row(in.beta, b, t, hv, 1, &beta);
     rows.beta[i] = core::beta_forward<float>(p.beta, beta);
   }
