@@ -32,13 +32,6 @@
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 
-// dst[c][r] = src[r][c] for r < rows, c < cols.
-inline void transpose(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst,
-                      int64_t ld_dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
-}
-
 // y += a * x (elementwise product) over n floats.
 HWY_INLINE void add_product(const float* a, const float* x, float* y, int64_t n) {
   const DF d;
@@ -119,7 +112,7 @@ void recompute_states(const core::Plan& plan, const ForwardInputs& in, const cor
   float* S = states;
   load_state(plan, in.initial_state, n_seq, hv, S, Vp);
   for (int64_t t0 = 0; t0 + C < seq.length; t0 += C) {
-    prepare_chunk(plan, in, seq, hv, t0, C, w);
+    prepare_chunk(plan, in, seq, hv, t0, C, w, ChunkNeeds::state_only);
     float* Vn = bw.Vn.data();
     for (int64_t i = 0; i < C; ++i) std::copy(w.U() + i * ldx, w.U() + i * ldx + Vp, Vn + i * Vp);
     gemm(C, Vp, K, w.W(), ldx, 1, S, Vp, Vn, Vp, Accumulate::subtract);

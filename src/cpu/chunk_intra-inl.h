@@ -122,7 +122,7 @@ inline void anchored_factors(ChunkWork& w, int64_t s, int64_t e) {
 }
 
 // L and P for rows [0, n): diagonal sub-blocks per element, off-diagonal ones by anchored products.
-inline void build_intra(ChunkWork& w, int64_t n, float scale) {
+inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
   const int64_t Kp = w.Kp, K = w.K;
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
@@ -170,7 +170,7 @@ inline void build_intra(ChunkWork& w, int64_t n, float scale) {
       const float* kj = w.k.data() + j * Kp;
       for (int64_t c = 0; c < K; ++c) kbT[c * C + j] = kj[c] * f[c];
     }
-    gemm(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
+    if (need_p) gemm(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
     gemm(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);
   }
 }
@@ -202,12 +202,17 @@ inline void solve_wy(ChunkWork& w, int64_t n) {
   }
 }
 
-// Gathers rows [t_begin, t_begin + n) of (sequence, hv) and runs every intra-chunk step.
+// What a caller needs of a chunk: everything, or only what carries the state across it (W, U, Kd,
+// decay_last; the off-diagonal blocks of P are skipped).
+enum class ChunkNeeds { all, state_only };
+
+// Gathers rows [t_begin, t_begin + n) of (sequence, hv) and runs the intra-chunk steps.
 inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w) {
+                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w,
+                          ChunkNeeds needs = ChunkNeeds::all) {
   load_chunk_rows(plan, in, seq, hv, t_begin, n, w.rows());
   build_decay_factors(w, n, plan.scale);
-  build_intra(w, n, plan.scale);
+  build_intra(w, n, plan.scale, needs == ChunkNeeds::all);
   solve_wy(w, n);
 }
 

@@ -22,6 +22,10 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
+#if HWY_ARCH_X86
+#include <immintrin.h>
+#endif
+
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
@@ -125,6 +129,42 @@ HWY_INLINE void scale_row(float a, const float* x, float* y, int64_t n) {
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   const VF va = hn::Set(d, a);
   for (int64_t i = 0; i < n; i += L) hn::StoreU(hn::Mul(va, hn::LoadU(d, x + i)), d, y + i);
+}
+
+// dst[c][r] = src[r][c] for r < rows, c < cols. On x86 8 x 8 blocks are transposed in registers
+// (a scalar transpose's strided stores cost more than the products around it); edges are scalar.
+inline void transpose(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst,
+                      int64_t ld_dst) {
+  int64_t r0 = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  for (; r0 + 8 <= rows; r0 += 8) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) {
+      const float* s = src + r0 * ld_src + c0;
+      __m256 r[8], t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * ld_src);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      float* o = dst + c0 * ld_dst + r0;
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(o + i * ld_dst, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(o + (i + 4) * ld_dst, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+      }
+    }
+    for (int64_t r = r0; r < r0 + 8; ++r)
+      for (int64_t c = c0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+#endif
+  for (int64_t r = r0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
 }
 
 // exp(x) for x <= 0 (clamped there), 0 on underflow: never inf, never NaN for finite x.

@@ -51,23 +51,31 @@ class Buffer {
 // tile [K][ldS] (ldS >= V; padded columns untouched). A null source gives zeros.
 inline void load_state(const core::Plan& plan, const float* states, int64_t n, int64_t hv, float* S,
                        int64_t ldS) {
-  for (int64_t kk = 0; kk < plan.K; ++kk) {
-    float* row = S + kk * ldS;
-    if (states == nullptr) {
-      std::memset(row, 0, sizeof(float) * plan.V);
-      continue;
-    }
-    const float* src = states + plan.state_offset(n, hv);
-    for (int64_t vv = 0; vv < plan.V; ++vv) row[vv] = src[plan.state_index(kk, vv)];
+  const int64_t K = plan.K, V = plan.V;
+  if (states == nullptr) {
+    for (int64_t kk = 0; kk < K; ++kk) std::memset(S + kk * ldS, 0, sizeof(float) * V);
+    return;
   }
+  const float* src = states + plan.state_offset(n, hv);
+  if (!plan.v_first()) {
+    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(S + kk * ldS, src + kk * V, sizeof(float) * V);
+    return;
+  }
+  for (int64_t vv = 0; vv < V; ++vv)
+    for (int64_t kk = 0; kk < K; ++kk) S[kk * ldS + vv] = src[vv * K + kk];
 }
 
 // The inverse of load_state: writes a K-first working tile into state (n, hv) of `states`.
 inline void store_state(const core::Plan& plan, const float* S, int64_t ldS, float* states, int64_t n,
                         int64_t hv) {
+  const int64_t K = plan.K, V = plan.V;
   float* dst = states + plan.state_offset(n, hv);
-  for (int64_t kk = 0; kk < plan.K; ++kk)
-    for (int64_t vv = 0; vv < plan.V; ++vv) dst[plan.state_index(kk, vv)] = S[kk * ldS + vv];
+  if (!plan.v_first()) {
+    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(dst + kk * V, S + kk * ldS, sizeof(float) * V);
+    return;
+  }
+  for (int64_t vv = 0; vv < V; ++vv)
+    for (int64_t kk = 0; kk < K; ++kk) dst[vv * K + kk] = S[kk * ldS + vv];
 }
 
 }  // namespace kda::cpu
