@@ -1,0 +1,361 @@
+// Forward parity of both kernels (chunked and recurrent) against the float64 oracle: every gate
+// regime and fused option, edge lengths, variable-length batches, GVA, head sizes, layouts, dtypes,
+// strided views, per-chunk states; plus determinism over thread counts.
+// Tolerances (relative RMS against the oracle): fp32 2e-6, bf16 3e-3 (on the bf16-rounded output).
+// Set KDA_TEST_VERBOSE=1 to print every case's errors.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "test_util.hpp"
+
+namespace kda::test {
+namespace {
+
+bool verbose() {
+  static const bool v = std::getenv("KDA_TEST_VERBOSE") != nullptr;
+  return v;
+}
+
+// Runs `kernel` on `d` and checks o, the final state and the per-chunk states against the oracle.
+void check_parity(Kernel kernel, const Data& d, const reference::ForwardResult& ref) {
+  SCOPED_TRACE(kernel_name(kernel));
+  const ForwardRun run = run_forward(kernel, d);
+  const ForwardOut& out = run.out;
+  const double tol = forward_tolerance(d.c.dtype);
+  EXPECT_TRUE(run.padding_ok) << "the kernel wrote outside the rows of a strided o";
+  EXPECT_TRUE(out.o.all_finite()) << "non-finite (or unwritten) o";
+  EXPECT_TRUE(all_finite(out.final_state)) << "non-finite (or unwritten) final state";
+  EXPECT_TRUE(all_finite(out.chunk_states)) << "non-finite (or unwritten) chunk states";
+  const double e_o = rel_rms(ref.o, out.o.packed());
+  const double e_s = rel_rms(ref.final_state, out.final_state);
+  const double e_c = rel_rms(ref.chunk_states, out.chunk_states);
+  EXPECT_LE(e_o, tol) << "o";
+  EXPECT_LE(e_s, tol) << "final state";
+  EXPECT_LE(e_c, tol) << "chunk states";
+  if (verbose())
+    std::printf("  %-9s %-90s o %.2e  state %.2e  chunks %.2e\n", kernel_name(kernel), d.c.name().c_str(),
+                e_o, e_s, e_c);
+}
+
+void check_both_kernels(const Case& c) {
+  SCOPED_TRACE(c.name());
+  Data d;
+  make_data(c, d);
+  const reference::ForwardResult ref = oracle_forward(d);
+  ASSERT_TRUE(all_finite(ref.o));
+  ASSERT_TRUE(all_finite(ref.final_state));
+  for (Kernel k : kKernels) check_parity(k, d, ref);
+}
+
+class ForwardParity : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ForwardParity, BothKernels) { check_both_kernels(GetParam()); }
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name(); }
+
+// Every regime at every edge length; the other axes (head sizes, GVA ratio, batch, layout, initial
+// state, dtype, fused options, scale) are spread over the cases so that each value appears often
+// and in varied company. Deterministic.
+std::vector<Case> grid_cases() {
+  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
+  const int64_t lengths[] = {1, 15, 16, 17, 63, 64, 65, 1000};
+  const int64_t dims[] = {16, 60, 100, 128};
+  const int64_t ratios[] = {1, 2, 4};
+  std::vector<Case> cases;
+  int i = 0;
+  for (Regime r : regimes)
+    for (int64_t T : lengths) {
+      Rng pick(0x5eed0000u + static_cast<uint64_t>(i));
+      Case c;
+      c.regime = r;
+      c.T = T;
+      c.seed = 100 + static_cast<uint64_t>(i);
+      c.K = dims[i % 4];
+      c.V = dims[(i + i / 4) % 4];
+      const bool long_seq = T >= 1000;
+      c.H = long_seq ? 1 : 1 + pick.below(2);
+      c.HV = c.H * ratios[i % 3];
+      c.B = long_seq ? 1 : 1 + pick.below(2);
+      c.layout = pick.chance(0.5) ? StateLayout::v_first : StateLayout::k_first;
+      c.initial_state = pick.chance(0.6);
+      c.dtype = pick.chance(0.3) ? DType::bf16 : DType::f32;
+      c.qk_l2norm = pick.chance(0.5);
+      c.beta = static_cast<BetaMode>(pick.below(3));
+      const double u = pick.uniform();
+      if (r == Regime::unbounded)
+        c.gate = u < 0.75 ? GateMode::softplus : GateMode::log_decay;  // else: the decays passed directly
+      else
+        c.gate = u < 0.5 ? GateMode::log_decay : (u < 0.75 ? GateMode::softplus : GateMode::lower_bound);
+      c.dt_bias = pick.chance(0.7);
+      const double s = pick.uniform();
+      if (s < 0.15)
+        c.scale = 1.0f;
+      else if (s < 0.3)
+        c.scale = 0.1f;
+      cases.push_back(c);
+      ++i;
+    }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, ForwardParity, ::testing::ValuesIn(grid_cases()), case_name);
+
+// The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
+std::vector<Case> lower_bound_cases() {
+  std::vector<Case> cases;
+  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
+  const float bounds[] = {-5.0f, -1.0f, -20.0f, -5.0f, -10.0f};
+  for (int i = 0; i < 5; ++i) {
+    Case c;
+    c.regime = regimes[i];
+    c.gate = GateMode::lower_bound;
+    c.lower_bound = bounds[i];
+    c.T = 97 + 13 * i;
+    c.H = 1;
+    c.HV = 2;
+    c.K = i % 2 ? 60 : 128;
+    c.V = i % 2 ? 100 : 16;
+    c.initial_state = i % 2 == 0;
+    c.layout = i % 3 ? StateLayout::k_first : StateLayout::v_first;
+    c.dt_bias = i != 2;
+    c.qk_l2norm = i % 2 == 1;
+    c.beta = static_cast<BetaMode>(i % 3);
+    c.dtype = i == 4 ? DType::bf16 : DType::f32;
+    c.seed = 300 + static_cast<uint64_t>(i);
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(LowerBoundGate, ForwardParity, ::testing::ValuesIn(lower_bound_cases()), case_name);
+
+// Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64.
+std::vector<Case> varlen_cases() {
+  std::vector<Case> cases;
+  {
+    Case c;
+    c.lengths = {1, 63, 130, 64, 17};
+    c.H = 2;
+    c.HV = 4;
+    c.K = 60;
+    c.V = 100;
+    c.initial_state = true;
+    c.seed = 400;
+    cases.push_back(c);
+    c.layout = StateLayout::v_first;
+    c.regime = Regime::spike;
+    c.K = 128;
+    c.V = 128;
+    c.H = 1;
+    c.HV = 1;
+    c.seed = 401;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.lengths = {1, 63, 0, 130, 64, 17, 0};
+    c.H = 1;
+    c.HV = 2;
+    c.K = 100;
+    c.V = 60;
+    c.regime = Regime::unbounded;
+    c.gate = GateMode::softplus;
+    c.qk_l2norm = true;
+    c.beta = BetaMode::sigmoid;
+    c.initial_state = true;
+    c.layout = StateLayout::v_first;
+    c.seed = 402;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.lengths = {200, 1, 65, 128};
+    c.H = 2;
+    c.HV = 2;
+    c.K = 16;
+    c.V = 128;
+    c.regime = Regime::strong;
+    c.dtype = DType::bf16;
+    c.initial_state = true;
+    c.beta = BetaMode::sigmoid_x2;
+    c.seed = 403;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.lengths = {0, 16, 15, 1, 33};
+    c.H = 1;
+    c.HV = 4;
+    c.K = 128;
+    c.V = 16;
+    c.regime = Regime::zero;
+    c.gate = GateMode::lower_bound;
+    c.initial_state = false;
+    c.seed = 404;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, ForwardParity, ::testing::ValuesIn(varlen_cases()), case_name);
+
+// Non-contiguous (permuted, padded) inputs and outputs, mixed dtypes, every fused option at once,
+// empty sequences.
+std::vector<Case> layout_cases() {
+  std::vector<Case> cases;
+  {
+    Case c;
+    c.lengths = {70, 1, 64, 30};
+    c.H = 2;
+    c.HV = 4;
+    c.K = 60;
+    c.V = 100;
+    c.strided = true;
+    c.initial_state = true;
+    c.qk_l2norm = true;
+    c.gate = GateMode::softplus;
+    c.beta = BetaMode::sigmoid;
+    c.seed = 500;
+    cases.push_back(c);
+  }
+  {
+    Case c;
+    c.B = 3;
+    c.T = 81;
+    c.H = 1;
+    c.HV = 2;
+    c.K = 128;
+    c.V = 60;
+    c.strided = true;
+    c.dtype = DType::bf16;
+    c.layout = StateLayout::v_first;
+    c.regime = Regime::spike;
+    c.initial_state = true;
+    c.seed = 501;
+    cases.push_back(c);
+  }
+  {  // bf16 activations with fp32 gates and betas (what fla passes)
+    Case c;
+    c.B = 2;
+    c.T = 100;
+    c.H = 2;
+    c.HV = 4;
+    c.K = 100;
+    c.V = 100;
+    c.dtype = DType::bf16;
+    c.gate_dtype = DType::f32;
+    c.regime = Regime::strong;
+    c.initial_state = true;
+    c.seed = 502;
+    cases.push_back(c);
+    c.dtype = DType::f32;  // and the reverse
+    c.gate_dtype = DType::bf16;
+    c.seed = 503;
+    cases.push_back(c);
+  }
+  {  // every fused option at once, Kimi's shape per head
+    Case c;
+    c.B = 2;
+    c.T = 130;
+    c.H = 2;
+    c.HV = 4;
+    c.K = 128;
+    c.V = 128;
+    c.regime = Regime::unbounded;
+    c.gate = GateMode::softplus;
+    c.qk_l2norm = true;
+    c.beta = BetaMode::sigmoid_x2;
+    c.initial_state = true;
+    c.layout = StateLayout::v_first;
+    c.scale = 0.1f;
+    c.seed = 504;
+    cases.push_back(c);
+  }
+  {  // no tokens at all: the final state is the initial state, no chunk states
+    Case c;
+    c.B = 2;
+    c.T = 0;
+    c.H = 1;
+    c.HV = 2;
+    c.K = 16;
+    c.V = 60;
+    c.initial_state = true;
+    c.seed = 505;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ForwardParity, ::testing::ValuesIn(layout_cases()), case_name);
+
+// Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
+std::vector<Case> head_dim_cases() {
+  const int64_t kv[][2] = {{1, 1}, {256, 256}, {7, 33}, {256, 3}, {3, 256}, {129, 127}};
+  std::vector<Case> cases;
+  for (int i = 0; i < 6; ++i) {
+    Case c;
+    c.K = kv[i][0];
+    c.V = kv[i][1];
+    c.B = 1 + i % 2;
+    c.T = 70 + 11 * i;
+    c.HV = 1 + i % 2;
+    c.regime = i % 2 ? Regime::strong : Regime::mild;
+    c.initial_state = i != 2;
+    c.layout = i % 3 == 1 ? StateLayout::v_first : StateLayout::k_first;
+    c.qk_l2norm = i >= 3;
+    c.dtype = i == 4 ? DType::bf16 : DType::f32;
+    c.seed = 800 + static_cast<uint64_t>(i);
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, ForwardParity, ::testing::ValuesIn(head_dim_cases()), case_name);
+
+// One long sequence: error must not grow along it.
+TEST(ForwardLong, T4096OneHead) {
+  Case c;
+  c.T = 4096;
+  c.K = 128;
+  c.V = 128;
+  c.initial_state = true;
+  c.seed = 600;
+  check_both_kernels(c);
+}
+
+// Bitwise identical results whatever the thread count; requesting states does not change o.
+TEST(ForwardDeterminism, ThreadCounts) {
+  Case c;
+  c.lengths = {300, 1, 129, 64, 0, 77};
+  c.H = 2;
+  c.HV = 4;
+  c.K = 60;
+  c.V = 100;
+  c.initial_state = true;
+  c.gate = GateMode::softplus;
+  c.qk_l2norm = true;
+  c.beta = BetaMode::sigmoid;
+  c.seed = 700;
+  Data d;
+  make_data(c, d);
+  for (Kernel k : kKernels) {
+    SCOPED_TRACE(kernel_name(k));
+    const ForwardRun one = run_forward(k, d, RunOptions{1});
+    for (int threads : {2, 3}) {
+      SCOPED_TRACE(threads);
+      const ForwardRun many = run_forward(k, d, RunOptions{threads});
+      EXPECT_TRUE(bitwise_equal(one.out.o, many.out.o)) << "o";
+      EXPECT_TRUE(bitwise_equal(one.out.final_state, many.out.final_state)) << "final state";
+      EXPECT_TRUE(bitwise_equal(one.out.chunk_states, many.out.chunk_states)) << "chunk states";
+    }
+    const ForwardRun again = run_forward(k, d, RunOptions{2});
+    EXPECT_TRUE(bitwise_equal(one.out.o, again.out.o)) << "run to run";
+    const ForwardRun bare = run_forward(k, d, RunOptions{2}, /*want_states=*/false);
+    EXPECT_TRUE(bitwise_equal(one.out.o, bare.out.o)) << "o changed when no state output was requested";
+  }
+}
+
+}  // namespace
+}  // namespace kda::test

@@ -1,0 +1,531 @@
+#include "test_util.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+namespace kda::test {
+
+// ---- random numbers --------------------------------------------------------------------------
+
+uint64_t Rng::next() {
+  uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+double Rng::uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
+
+double Rng::normal() {
+  double u1 = uniform();
+  while (u1 <= 0.0) u1 = uniform();
+  const double u2 = uniform();
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+
+int64_t Rng::below(int64_t n) { return n <= 0 ? 0 : static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+
+double sigmoid(double x) { return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x)); }
+
+double logsigmoid(double x) { return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x)); }
+
+namespace {
+
+double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
+
+uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);                                 // nearest even
+  return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+float bf16_value(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+size_t elem_size(DType t) { return t == DType::bf16 ? 2 : 4; }
+
+}  // namespace
+
+float round_bf16(float x) { return bf16_value(bf16_bits(x)); }
+
+// ---- test cases ------------------------------------------------------------------------------
+
+const char* regime_name(Regime r) {
+  switch (r) {
+    case Regime::mild: return "mild";
+    case Regime::strong: return "strong";
+    case Regime::zero: return "zero";
+    case Regime::spike: return "spike";
+    case Regime::unbounded: return "unbounded";
+  }
+  return "?";
+}
+
+const char* kernel_name(Kernel k) { return k == Kernel::chunk ? "chunk" : "recurrent"; }
+
+int64_t Case::total_tokens() const {
+  if (lengths.empty()) return T;
+  return std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
+}
+
+namespace {
+
+std::string number(double x) {
+  std::ostringstream s;
+  s << x;
+  std::string r;
+  for (char ch : s.str()) {
+    if (ch == '-')
+      r += 'm';
+    else if (ch == '.')
+      r += 'p';
+    else if (ch == '+')
+      continue;
+    else
+      r += ch;
+  }
+  return r;
+}
+
+const char* dtype_str(DType t) { return t == DType::bf16 ? "bf16" : "f32"; }
+
+}  // namespace
+
+std::string Case::name() const {
+  std::string s;
+  if (lengths.empty()) {
+    s = "B" + std::to_string(B) + "_T" + std::to_string(T);
+  } else {
+    s = "L";
+    for (size_t i = 0; i < lengths.size(); ++i) s += (i ? "x" : "") + std::to_string(lengths[i]);
+  }
+  s += "_H" + std::to_string(H) + "_HV" + std::to_string(HV) + "_K" + std::to_string(K) + "_V" +
+       std::to_string(V);
+  s += std::string("_") + regime_name(regime) + "_" + dtype_str(dtype);
+  if (gate_dtype && *gate_dtype != dtype) s += std::string("_gate") + dtype_str(*gate_dtype);
+  s += layout == StateLayout::v_first ? "_vfirst" : "_kfirst";
+  if (initial_state) s += "_h0";
+  if (qk_l2norm) s += "_l2";
+  switch (gate) {
+    case GateMode::log_decay: break;
+    case GateMode::softplus: s += "_softplus"; break;
+    case GateMode::lower_bound: s += "_lb" + number(lower_bound); break;
+  }
+  if (gate != GateMode::log_decay && !dt_bias) s += "_nobias";
+  switch (beta) {
+    case BetaMode::given: break;
+    case BetaMode::sigmoid: s += "_sigmoid"; break;
+    case BetaMode::sigmoid_x2: s += "_sigmoid2"; break;
+  }
+  if (scale) s += "_scale" + number(*scale);
+  if (strided) s += "_strided";
+  s += "_s" + std::to_string(seed);
+  return s;
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+
+// ---- tensors ---------------------------------------------------------------------------------
+
+Tensor::Tensor(DType dtype, int64_t B, int64_t T, int64_t heads, int64_t dim, bool strided)
+    : dtype_(dtype), B_(B), T_(T), heads_(heads), dim_(dim) {
+  int64_t elems;
+  if (strided) {
+    sb_ = dim + 3;
+    sh_ = B * sb_;
+    st_ = heads * sh_ + 5;
+    elems = T * st_ + 1;
+  } else {
+    sh_ = dim;
+    st_ = heads * dim;
+    sb_ = T * st_;
+    elems = B * sb_;
+  }
+  const size_t bytes = static_cast<size_t>(elems) * elem_size(dtype);
+  words_.assign(bytes / 4 + 2, 0u);
+  if (strided) fill_bytes(0xff);  // NaN padding: a kernel reading it would poison its output
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < dim; ++i) set(b, t, h, i, 0.0);
+}
+
+Input Tensor::input() const { return Input{words_.data(), dtype_, sb_, st_, sh_}; }
+
+Output Tensor::output() { return Output{words_.data(), dtype_, sb_, st_, sh_}; }
+
+double Tensor::get(int64_t b, int64_t t, int64_t h, int64_t i) const {
+  const int64_t o = offset(b, t, h, i);
+  if (dtype_ == DType::f32) return reinterpret_cast<const float*>(words_.data())[o];
+  return bf16_value(reinterpret_cast<const uint16_t*>(words_.data())[o]);
+}
+
+void Tensor::set(int64_t b, int64_t t, int64_t h, int64_t i, double x) {
+  const int64_t o = offset(b, t, h, i);
+  if (dtype_ == DType::f32)
+    reinterpret_cast<float*>(words_.data())[o] = static_cast<float>(x);
+  else
+    reinterpret_cast<uint16_t*>(words_.data())[o] = bf16_bits(static_cast<float>(x));
+}
+
+std::vector<double> Tensor::packed() const {
+  std::vector<double> r;
+  r.reserve(static_cast<size_t>(B_ * T_ * heads_ * dim_));
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t h = 0; h < heads_; ++h)
+        for (int64_t i = 0; i < dim_; ++i) r.push_back(get(b, t, h, i));
+  return r;
+}
+
+bool Tensor::all_finite() const {
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t h = 0; h < heads_; ++h)
+        for (int64_t i = 0; i < dim_; ++i)
+          if (!std::isfinite(get(b, t, h, i))) return false;
+  return true;
+}
+
+void Tensor::fill_bytes(uint8_t byte) { std::memset(words_.data(), byte, words_.size() * 4); }
+
+bool Tensor::padding_equal(const std::vector<uint32_t>& before) const {
+  if (before.size() != words_.size()) return false;
+  std::vector<unsigned char> a(words_.size() * 4), c(words_.size() * 4);
+  std::memcpy(a.data(), before.data(), a.size());
+  std::memcpy(c.data(), words_.data(), c.size());
+  const size_t es = elem_size(dtype_);
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t h = 0; h < heads_; ++h)
+        for (int64_t i = 0; i < dim_; ++i) {
+          const size_t o = static_cast<size_t>(offset(b, t, h, i)) * es;
+          std::memset(a.data() + o, 0, es);
+          std::memset(c.data() + o, 0, es);
+        }
+  return a == c;
+}
+
+// ---- inputs ------------------------------------------------------------------------------------
+
+Problem Data::problem() const {
+  Problem p;
+  p.batch = c.lengths.empty() ? c.B : 1;
+  p.seq_len = c.total_tokens();
+  p.heads = c.H;
+  p.value_heads = c.HV;
+  p.key_dim = c.K;
+  p.value_dim = c.V;
+  if (!c.lengths.empty()) p.cu_seqlens = std::span<const int64_t>(cu);
+  p.scale = c.scale;
+  p.state_layout = c.layout;
+  p.qk_l2norm = c.qk_l2norm;
+  p.gate = c.gate;
+  p.gate_lower_bound = c.lower_bound;
+  p.beta = c.beta;
+  return p;
+}
+
+ForwardInputs Data::inputs() const {
+  ForwardInputs in;
+  in.q = q.input();
+  in.k = k.input();
+  in.v = v.input();
+  in.g = g.input();
+  in.beta = beta.input();
+  if (c.gate != GateMode::log_decay) {
+    in.A_log = A_log.data();
+    in.dt_bias = dt_bias.empty() ? nullptr : dt_bias.data();
+  }
+  in.initial_state = h0.empty() ? nullptr : h0.data();
+  return in;
+}
+
+int64_t Data::num_sequences() const {
+  return c.lengths.empty() ? c.B : static_cast<int64_t>(c.lengths.size());
+}
+
+namespace {
+
+// Raw gate input x and, for fused gates, A_log / dt_bias, per regime. For GateMode::log_decay the
+// tensor receives the log decay itself (for Regime::unbounded: the decay Kimi's gate would produce).
+void make_gates(const Case& c, Rng& rng, Data& d) {
+  const int64_t B = d.q.B(), T = d.q.T(), HV = c.HV, K = c.K;
+  const bool fused = c.gate != GateMode::log_decay;
+  const bool want_A = fused || c.regime == Regime::unbounded;
+  std::vector<double> A(static_cast<size_t>(HV), 0.0), bias(static_cast<size_t>(HV * K), 0.0);
+  if (want_A) {
+    for (int64_t hv = 0; hv < HV; ++hv) {
+      double a;
+      if (c.regime == Regime::unbounded)
+        a = rng.uniform(3.0, 5.0);
+      else if (c.regime == Regime::strong)
+        a = rng.uniform(0.5, 1.5);
+      else
+        a = rng.uniform(-1.5, 0.0);
+      A[hv] = static_cast<float>(a);
+    }
+    if (c.dt_bias && c.regime != Regime::zero)
+      for (auto& x : bias) x = static_cast<float>(0.5 * rng.normal());
+  }
+  if (fused) {
+    d.A_log.assign(A.begin(), A.end());
+    if (c.dt_bias) d.dt_bias.assign(bias.begin(), bias.end());
+  }
+
+  // Spikes: a few single tokens per (b, hv), each in some channels (one of them in all channels).
+  std::vector<char> spike(static_cast<size_t>(B * T * HV * K), 0);
+  if (c.regime == Regime::spike && T > 0) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hv = 0; hv < HV; ++hv)
+        for (int s = 0; s < 3; ++s) {
+          const int64_t t = rng.below(T);
+          for (int64_t dd = 0; dd < K; ++dd)
+            if (s == 0 || rng.chance(0.25)) spike[((b * T + t) * HV + hv) * K + dd] = 1;
+        }
+  }
+
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t hv = 0; hv < HV; ++hv)
+        for (int64_t dd = 0; dd < K; ++dd) {
+          const bool sp = spike[((b * T + t) * HV + hv) * K + dd] != 0;
+          double x = 0.0;
+          if (!fused) {
+            switch (c.regime) {
+              case Regime::mild: x = logsigmoid(rng.normal()); break;
+              case Regime::strong: x = 5.0 * logsigmoid(rng.normal()); break;
+              case Regime::zero: x = 0.0; break;
+              case Regime::spike: x = sp ? -1000.0 : logsigmoid(rng.normal()); break;
+              case Regime::unbounded:
+                x = -std::exp(A[hv]) * softplus(6.0 * rng.normal() + bias[hv * K + dd]);
+                break;
+            }
+          } else {
+            switch (c.regime) {
+              case Regime::mild: x = rng.normal(); break;
+              case Regime::strong: x = 2.0 * rng.normal(); break;
+              case Regime::zero: x = -60.0; break;  // softplus / sigmoid of it: ~1e-26
+              case Regime::spike: x = sp ? 1000.0 : rng.normal(); break;
+              case Regime::unbounded: x = 6.0 * rng.normal(); break;
+            }
+          }
+          d.g.set(b, t, hv, dd, x);
+        }
+}
+
+}  // namespace
+
+void make_data(const Case& c, Data& d) {
+  d.c = c;
+  Rng rng(c.seed * 0x2545f4914f6cdd1dull + 17);
+  const bool varlen = !c.lengths.empty();
+  const int64_t B = varlen ? 1 : c.B, T = c.total_tokens();
+  d.cu.clear();
+  if (varlen) {
+    d.cu.push_back(0);
+    for (int64_t len : c.lengths) d.cu.push_back(d.cu.back() + len);
+  }
+  const DType gdt = c.gate_dtype.value_or(c.dtype);
+  d.q = Tensor(c.dtype, B, T, c.H, c.K, c.strided);
+  d.k = Tensor(c.dtype, B, T, c.H, c.K, c.strided);
+  d.v = Tensor(c.dtype, B, T, c.HV, c.V, c.strided);
+  d.g = Tensor(gdt, B, T, c.HV, c.K, c.strided);
+  d.beta = Tensor(gdt, B, T, c.HV, 1, c.strided);
+
+  std::vector<double> row(static_cast<size_t>(c.K));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < c.H; ++h) {
+        for (int which = 0; which < 2; ++which) {
+          Tensor& x = which == 0 ? d.q : d.k;
+          double ss = 0.0;
+          for (auto& e : row) {
+            e = rng.normal();
+            ss += e * e;
+          }
+          // Raw rows of varied norm when the kernel normalises; else unit keys (and raw queries).
+          const double f = c.qk_l2norm ? rng.uniform(0.3, 3.0) : (which == 1 ? 1.0 / std::sqrt(ss) : 1.0);
+          for (int64_t i = 0; i < c.K; ++i) x.set(b, t, h, i, row[i] * f);
+        }
+      }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t hv = 0; hv < c.HV; ++hv) {
+        for (int64_t i = 0; i < c.V; ++i) d.v.set(b, t, hv, i, rng.normal());
+        const double z = rng.normal();
+        d.beta.set(b, t, hv, 0, c.beta == BetaMode::given ? sigmoid(z) : 1.5 * z);
+      }
+  d.A_log.clear();
+  d.dt_bias.clear();
+  make_gates(c, rng, d);
+  d.h0.clear();
+  if (c.initial_state) {
+    d.h0.resize(static_cast<size_t>(d.state_elems()));
+    for (auto& x : d.h0) x = static_cast<float>(0.5 * rng.normal());
+  }
+}
+
+// ---- runners -----------------------------------------------------------------------------------
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+float* data_or_null(std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
+}  // namespace
+
+ForwardRun run_forward(Kernel kernel, const Data& d, const RunOptions& opt, bool want_states) {
+  const Case& c = d.c;
+  const Problem p = d.problem();
+  ForwardRun r;
+  r.out.o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
+  r.out.o.fill_bytes(0xff);
+  const std::vector<uint32_t> before = r.out.o.raw();
+  ForwardOutputs out;
+  out.o = r.out.o.output();
+  if (want_states) {
+    r.out.final_state.assign(static_cast<size_t>(d.state_elems()), kNaN);
+    r.out.chunk_states.assign(static_cast<size_t>(num_chunks(p) * c.HV * c.K * c.V), kNaN);
+    out.final_state = data_or_null(r.out.final_state);
+    out.chunk_states = data_or_null(r.out.chunk_states);
+  }
+  if (kernel == Kernel::chunk)
+    chunk_forward(p, d.inputs(), out, opt);
+  else
+    recurrent_forward(p, d.inputs(), out, opt);
+  r.padding_ok = r.out.o.padding_equal(before);
+  return r;
+}
+
+reference::ForwardResult oracle_forward(const Data& d) {
+  const Problem p = d.problem();
+  return reference::forward(p, reference::widen(p, d.inputs()));
+}
+
+void make_cotangents(const Data& d, bool with_final_state, uint64_t seed, Cotangents& ct) {
+  const Case& c = d.c;
+  const Problem p = d.problem();
+  Rng rng(seed * 0x9e3779b97f4a7c15ull + 5);
+  ct.d_o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t t = 0; t < p.seq_len; ++t)
+      for (int64_t hv = 0; hv < c.HV; ++hv)
+        for (int64_t i = 0; i < c.V; ++i) ct.d_o.set(b, t, hv, i, rng.normal());
+  ct.d_final_state.clear();
+  if (with_final_state) {
+    ct.d_final_state.resize(static_cast<size_t>(d.state_elems()));
+    for (auto& x : ct.d_final_state) x = static_cast<float>(rng.normal());
+  }
+}
+
+BackwardRun run_backward(Kernel kernel, const Data& d, const Cotangents& ct, const RunOptions& opt,
+                         const float* chunk_states) {
+  const Case& c = d.c;
+  const Problem p = d.problem();
+  BackwardRun r;
+  BackwardOut& o = r.out;
+  o.dq = Tensor(d.q.dtype(), p.batch, p.seq_len, c.H, c.K, c.strided);
+  o.dk = Tensor(d.k.dtype(), p.batch, p.seq_len, c.H, c.K, c.strided);
+  o.dv = Tensor(d.v.dtype(), p.batch, p.seq_len, c.HV, c.V, c.strided);
+  o.dg = Tensor(d.g.dtype(), p.batch, p.seq_len, c.HV, c.K, c.strided);
+  o.dbeta = Tensor(d.beta.dtype(), p.batch, p.seq_len, c.HV, 1, c.strided);
+  Tensor* all[] = {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta};
+  std::vector<std::vector<uint32_t>> before;
+  for (Tensor* t : all) {
+    t->fill_bytes(0xff);
+    before.push_back(t->raw());
+  }
+  o.d_initial_state.assign(static_cast<size_t>(d.state_elems()), kNaN);
+  BackwardOutputs out;
+  out.dq = o.dq.output();
+  out.dk = o.dk.output();
+  out.dv = o.dv.output();
+  out.dg = o.dg.output();
+  out.dbeta = o.dbeta.output();
+  out.d_initial_state = data_or_null(o.d_initial_state);
+  if (c.gate != GateMode::log_decay) {
+    o.dA_log.assign(static_cast<size_t>(c.HV), kNaN);
+    o.ddt_bias.assign(static_cast<size_t>(c.HV * c.K), kNaN);
+    out.dA_log = o.dA_log.data();
+    out.ddt_bias = o.ddt_bias.data();
+  }
+  BackwardInputs in;
+  in.fwd = d.inputs();
+  in.d_o = ct.d_o.input();
+  in.d_final_state = ct.d_final_state.empty() ? nullptr : ct.d_final_state.data();
+  in.chunk_states = chunk_states;
+  if (kernel == Kernel::chunk)
+    chunk_backward(p, in, out, opt);
+  else
+    recurrent_backward(p, in, out, opt);
+  for (size_t i = 0; i < before.size(); ++i) r.padding_ok = r.padding_ok && all[i]->padding_equal(before[i]);
+  return r;
+}
+
+reference::Gradients oracle_backward(const Data& d, const Cotangents& ct) {
+  const Problem p = d.problem();
+  return reference::backward(p, reference::widen(p, d.inputs()), ct.d_o.packed(), widen(ct.d_final_state));
+}
+
+// ---- measures ----------------------------------------------------------------------------------
+
+double rel_rms(const std::vector<double>& ref, const std::vector<double>& got) {
+  if (ref.size() != got.size()) return std::numeric_limits<double>::infinity();
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    const double e = got[i] - ref[i];
+    num += e * e;
+    den += ref[i] * ref[i];
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num / std::max<size_t>(ref.size(), 1));
+}
+
+double rel_rms(const std::vector<double>& ref, const std::vector<float>& got) {
+  return rel_rms(ref, widen(got));
+}
+
+bool all_finite(const std::vector<float>& x) {
+  return std::all_of(x.begin(), x.end(), [](float e) { return std::isfinite(e); });
+}
+
+bool all_finite(const std::vector<double>& x) {
+  return std::all_of(x.begin(), x.end(), [](double e) { return std::isfinite(e); });
+}
+
+std::vector<double> widen(const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); }
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.B() != b.B() || a.T() != b.T() || a.heads() != b.heads() ||
+      a.dim() != b.dim())
+    return false;
+  for (int64_t bb = 0; bb < a.B(); ++bb)
+    for (int64_t t = 0; t < a.T(); ++t)
+      for (int64_t h = 0; h < a.heads(); ++h)
+        for (int64_t i = 0; i < a.dim(); ++i) {
+          const double x = a.get(bb, t, h, i), y = b.get(bb, t, h, i);
+          if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+        }
+  return true;
+}
+
+}  // namespace kda::test

@@ -1,0 +1,196 @@
+// Shared test harness: a deterministic RNG, a description of one KDA test case, input generation per
+// gate regime, strided tensors in f32 / bf16, runners for the kernels and the oracle, and error
+// measures (relative RMS against the oracle, finiteness).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "kda/kda.hpp"
+#include "kda/reference.hpp"
+
+namespace kda::test {
+
+// ---- random numbers --------------------------------------------------------------------------
+
+// splitmix64: tiny, deterministic on every platform (unlike std::normal_distribution).
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next();
+  double uniform();                      // [0, 1)
+  double uniform(double lo, double hi);  // [lo, hi)
+  double normal();                       // N(0, 1), Box-Muller
+  int64_t below(int64_t n);              // [0, n)
+  bool chance(double p) { return uniform() < p; }
+
+ private:
+  uint64_t state_;
+};
+
+double logsigmoid(double x);
+double sigmoid(double x);
+float round_bf16(float x);  // nearest bf16 value, as a float
+
+// ---- test cases ------------------------------------------------------------------------------
+
+// How the gate values are generated.
+enum class Regime {
+  mild,       // g = logsigmoid(N(0,1)): decays around 0.5..1
+  strong,     // g = 5 * logsigmoid(N(0,1)): many strong decays
+  zero,       // g = 0: no decay at all
+  spike,      // mild, plus g = -1000 on a few single tokens in some channels
+  unbounded,  // Kimi-Linear's gate: A_log ~ U(3, 5), raw g ~ 6 N(0,1): log decays down to -1e2..-1e3
+};
+const char* regime_name(Regime r);
+
+enum class Kernel { chunk, recurrent };
+const char* kernel_name(Kernel k);
+inline constexpr Kernel kKernels[] = {Kernel::chunk, Kernel::recurrent};
+
+struct Case {
+  int64_t B = 1, T = 16;
+  std::vector<int64_t> lengths;  // non-empty: packed variable-length batch (B = 1, T = sum)
+  int64_t H = 1, HV = 1, K = 16, V = 16;
+  Regime regime = Regime::mild;
+  DType dtype = DType::f32;         // q, k, v (and o)
+  std::optional<DType> gate_dtype;  // g and beta; default: dtype
+  StateLayout layout = StateLayout::k_first;
+  bool initial_state = false;
+  bool qk_l2norm = false;
+  GateMode gate = GateMode::log_decay;  // Regime::unbounded with log_decay passes the computed decays
+  bool dt_bias = true;                  // fused gates: pass a dt_bias
+  float lower_bound = -5.0f;            // GateMode::lower_bound
+  BetaMode beta = BetaMode::given;
+  std::optional<float> scale;
+  bool strided = false;  // non-contiguous, permuted and padded inputs and outputs
+  uint64_t seed = 1;
+
+  int64_t total_tokens() const;  // T, or the sum of lengths
+  std::string name() const;      // readable, [A-Za-z0-9_] only (usable as a gtest parameter name)
+};
+// gtest prints a Case parameter by its name.
+void PrintTo(const Case& c, std::ostream* os);
+
+// ---- tensors ---------------------------------------------------------------------------------
+
+// One activation [B, T, heads, dim] in f32 or bf16. Packed, or (strided) laid out as
+// [T][heads][B][dim + 3] with 5 extra elements per token, so every stride differs from the packed
+// one and the padding can be checked. Padding is filled with NaN for inputs.
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(DType dtype, int64_t B, int64_t T, int64_t heads, int64_t dim, bool strided);
+
+  DType dtype() const { return dtype_; }
+  int64_t B() const { return B_; }
+  int64_t T() const { return T_; }
+  int64_t heads() const { return heads_; }
+  int64_t dim() const { return dim_; }
+  int64_t stride_b() const { return sb_; }
+  int64_t stride_t() const { return st_; }
+  int64_t stride_h() const { return sh_; }
+
+  Input input() const;
+  Output output();
+
+  // Element (b, t, h, i); set() rounds to the dtype.
+  double get(int64_t b, int64_t t, int64_t h, int64_t i) const;
+  void set(int64_t b, int64_t t, int64_t h, int64_t i, double x);
+
+  std::vector<double> packed() const;  // every element, packed [B, T, heads, dim], as double
+  bool all_finite() const;             // every element (not the padding) is finite
+
+  // Every element and the padding set to one byte value (e.g. 0xff: NaN in f32 and bf16).
+  void fill_bytes(uint8_t byte);
+  // Raw contents, to check that nothing outside the rows was written.
+  const std::vector<uint32_t>& raw() const { return words_; }
+  // Whether every byte outside the elements equals `before`'s.
+  bool padding_equal(const std::vector<uint32_t>& before) const;
+
+ private:
+  int64_t offset(int64_t b, int64_t t, int64_t h, int64_t i) const { return b * sb_ + t * st_ + h * sh_ + i; }
+  DType dtype_ = DType::f32;
+  int64_t B_ = 0, T_ = 0, heads_ = 0, dim_ = 0, sb_ = 0, st_ = 0, sh_ = 0;
+  std::vector<uint32_t> words_;  // storage (at least one word, so data() is never null)
+};
+
+// The inputs of one case, as handed to a kernel. Not copyable: the problem points into it.
+struct Data {
+  Case c;
+  std::vector<int64_t> cu;  // cu_seqlens when varlen
+  Tensor q, k, v, g, beta;
+  std::vector<float> A_log, dt_bias, h0;
+
+  Data() = default;
+  Data(const Data&) = delete;
+  Data& operator=(const Data&) = delete;
+
+  Problem problem() const;
+  ForwardInputs inputs() const;
+  int64_t num_sequences() const;
+  int64_t state_elems() const { return num_sequences() * c.HV * c.K * c.V; }
+};
+
+// Generates the inputs of a case (deterministic in c.seed). Keys are unit-norm (or the case asks the
+// kernel to normalise them), beta lies in (0, 1) (or is a logit for the sigmoid modes), every value
+// is rounded to its dtype before anyone sees it.
+void make_data(const Case& c, Data& d);
+
+// ---- running kernels and the oracle -------------------------------------------------------------
+
+struct ForwardOut {
+  Tensor o;
+  std::vector<float> final_state, chunk_states;
+};
+
+// Runs a kernel. Outputs start as NaN, so an element the kernel forgets is caught by finiteness.
+// Strided cases use a strided o, whose padding must stay untouched (checked: padding_ok).
+struct ForwardRun {
+  ForwardOut out;
+  bool padding_ok = true;
+};
+ForwardRun run_forward(Kernel kernel, const Data& d, const RunOptions& opt = {}, bool want_states = true);
+
+reference::ForwardResult oracle_forward(const Data& d);
+
+// Gradients flowing into a backward call.
+struct Cotangents {
+  Tensor d_o;                        // dtype of v, same stridedness as the case
+  std::vector<float> d_final_state;  // empty: none
+};
+void make_cotangents(const Data& d, bool with_final_state, uint64_t seed, Cotangents& ct);
+
+struct BackwardOut {
+  Tensor dq, dk, dv, dg, dbeta;
+  std::vector<float> d_initial_state, dA_log, ddt_bias;
+};
+struct BackwardRun {
+  BackwardOut out;
+  bool padding_ok = true;
+};
+// chunk_states: optional states entering every chunk (from a forward), passed to the kernel.
+BackwardRun run_backward(Kernel kernel, const Data& d, const Cotangents& ct, const RunOptions& opt = {},
+                         const float* chunk_states = nullptr);
+
+reference::Gradients oracle_backward(const Data& d, const Cotangents& ct);
+
+// ---- measures ----------------------------------------------------------------------------------
+
+// sqrt(sum (got - ref)^2 / sum ref^2); when ref is all zero, the absolute RMS norm of got.
+// Infinity when sizes differ or got has a non-finite value.
+double rel_rms(const std::vector<double>& ref, const std::vector<double>& got);
+double rel_rms(const std::vector<double>& ref, const std::vector<float>& got);
+bool all_finite(const std::vector<float>& x);
+bool all_finite(const std::vector<double>& x);
+std::vector<double> widen(const std::vector<float>& x);
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b);
+bool bitwise_equal(const Tensor& a, const Tensor& b);  // elements only
+
+// Tolerances of kernel outputs against the oracle (relative RMS).
+inline double forward_tolerance(DType dtype) { return dtype == DType::bf16 ? 3e-3 : 2e-6; }
+
+}  // namespace kda::test
