@@ -108,17 +108,13 @@ struct BackwardWork {
 void recompute_states(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
                       int64_t n_seq, int64_t hv, float* states, BackwardWork& bw) {
   ChunkWork& w = bw.w;
-  const int64_t K = plan.K, Vp = w.Vp, ldx = w.ldx;
   float* S = states;
-  load_state(plan, in.initial_state, n_seq, hv, S, Vp);
+  load_state(plan, in.initial_state, n_seq, hv, S, w.Vp);
   for (int64_t t0 = 0; t0 + C < seq.length; t0 += C) {
     prepare_chunk(plan, in, seq, hv, t0, C, w, ChunkNeeds::state_only);
-    float* Vn = bw.Vn.data();
-    for (int64_t i = 0; i < C; ++i) std::copy(w.U() + i * ldx, w.U() + i * ldx + Vp, Vn + i * Vp);
-    gemm(C, Vp, K, w.W(), ldx, 1, S, Vp, Vn, Vp, Accumulate::subtract);
-    float* next = S + K * Vp;
-    for (int64_t kk = 0; kk < K; ++kk) scale_row(w.decay_last[kk], S + kk * Vp, next + kk * Vp, Vp);
-    gemm(K, Vp, C, w.Kd.data(), 1, w.Kp, Vn, Vp, next, Vp, Accumulate::add);
+    make_vn_in_place(w, C, S);
+    float* next = S + w.K * w.Vp;
+    advance_state(w, C, S, next, w.U(), w.ldx);
     S = next;
   }
 }

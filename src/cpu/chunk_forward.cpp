@@ -40,9 +40,8 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
     const int64_t n = std::min(C, seq.length - t0);
     if (out.chunk_states != nullptr) store_state(plan, S, Vp, out.chunk_states, seq.first_chunk + c, hv);
     prepare_chunk(plan, in, seq, hv, t0, n, w);
-    float* W = w.W();
-    float* Vn = w.U();  // U becomes Vn in place
-    gemm(n, Vp, K, W, ldx, 1, S, Vp, Vn, ldx, Accumulate::subtract);
+    make_vn_in_place(w, n, S);
+    const float* Vn = w.U();
     gemm(n, Vp, K, w.Qe.data(), Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
     for (int64_t s = 0; s < n; s += kSub) {
       const int64_t e = std::min(s + kSub, n);
@@ -50,9 +49,7 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
     }
     for (int64_t i = 0; i < n; ++i)
       core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
-    const float* decay = w.decay_last.data();
-    for (int64_t kk = 0; kk < K; ++kk) scale_row(decay[kk], S + kk * Vp, S + kk * Vp, Vp);
-    gemm(K, Vp, n, w.Kd.data(), 1, Kp, Vn, ldx, S, Vp, Accumulate::add);
+    advance_state(w, n, S, S, Vn, ldx);
   }
   if (out.final_state != nullptr) store_state(plan, S, Vp, out.final_state, n_seq, hv);
 }

@@ -216,6 +216,18 @@ inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const
   solve_wy(w, n);
 }
 
+// Vn = U - W S, written over U (rows [0, n)); S is the K-first state entering the chunk.
+inline void make_vn_in_place(ChunkWork& w, int64_t n, const float* S) {
+  gemm(n, w.Vp, w.K, w.W(), w.ldx, 1, S, w.Vp, w.U(), w.ldx, Accumulate::subtract);
+}
+
+// The state leaving the chunk: S_out = diag(e^{G_last}) S_in + Kd^T Vn (S_out may be S_in).
+inline void advance_state(const ChunkWork& w, int64_t n, const float* S_in, float* S_out, const float* Vn,
+                          int64_t ldv) {
+  for (int64_t kk = 0; kk < w.K; ++kk) scale_row(w.decay_last[kk], S_in + kk * w.Vp, S_out + kk * w.Vp, w.Vp);
+  gemm(w.K, w.Vp, n, w.Kd.data(), 1, w.Kp, Vn, ldv, S_out, w.Vp, Accumulate::add);
+}
+
 }  // namespace kda::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
