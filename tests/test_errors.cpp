@@ -277,10 +277,10 @@ TEST_F(Errors, Backward) {
 
   BackwardInputs b2 = bin;
   b2.d_o.data = nullptr;
-  expect_backward_rejected("do", p, b2, bout);
+  expect_backward_rejected("d_o", p, b2, bout);
   b2 = bin;
   b2.d_o.dtype = DType::bf16;
-  expect_backward_rejected("do", p, b2, bout);
+  expect_backward_rejected("d_o", p, b2, bout);
   b2 = bin;
   b2.fwd.q.data = nullptr;
   expect_backward_rejected("q", p, b2, bout);

@@ -131,6 +131,10 @@ struct RunOptions {
   int num_threads = 0;  // 0: KDA_NUM_THREADS if set, else the hardware concurrency
 };
 
+// The SIMD target the CPU kernels run on this machine, picked at run time (e.g. "AVX3" for AVX-512,
+// "AVX2", "SCALAR").
+const char* simd_target();
+
 // Number of sequences N of a problem (batch, or cu_seqlens.size() - 1).
 int64_t num_sequences(const Problem& p);
 // Total number of chunks over all sequences: sum of ceil(len_n / kChunkSize).

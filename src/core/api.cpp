@@ -13,6 +13,8 @@ Output make_output(void* data, DType dtype, const Problem& p, int64_t heads, int
   return Output{data, dtype, p.seq_len * heads * dim, heads * dim, dim};
 }
 
+const char* simd_target() { return cpu::simd_target(); }
+
 int64_t num_sequences(const Problem& p) { return core::plan_problem(p).num_sequences(); }
 
 int64_t num_chunks(const Problem& p) { return core::plan_problem(p).total_chunks; }

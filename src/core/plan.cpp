@@ -162,8 +162,8 @@ Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOut
   Plan plan = plan_problem(p);
   const ForwardInputs& f = in.fwd;
   check_forward_inputs(plan, f);
-  check_view("do", in.d_o, {p.batch, p.seq_len, plan.HV, plan.V});
-  check_same_dtype("do", in.d_o.dtype, "v", f.v.dtype);
+  check_view("d_o", in.d_o, {p.batch, p.seq_len, plan.HV, plan.V});
+  check_same_dtype("d_o", in.d_o.dtype, "v", f.v.dtype);
   check_output("dq", out.dq, {p.batch, p.seq_len, plan.H, plan.K});
   check_same_dtype("dq", out.dq.dtype, "q", f.q.dtype);
   check_output("dk", out.dk, {p.batch, p.seq_len, plan.H, plan.K});

@@ -5,6 +5,9 @@
 
 namespace kda::cpu {
 
+// Name of the SIMD target the kernels dispatch to.
+const char* simd_target();
+
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                    int num_threads);
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,

@@ -64,16 +64,21 @@ void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const Forward
   });
 }
 
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
 }  // namespace kda::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace kda::cpu {
 HWY_EXPORT(ChunkForward);
+HWY_EXPORT(TargetName);
 
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                    int num_threads) {
   HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, num_threads);
 }
+
+const char* simd_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 }  // namespace kda::cpu
 #endif

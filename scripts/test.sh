@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs, builds and runs every test: the Release build's test suite and `kda check` (parity of
+# every path with the float64 oracle), then the same suite built with AddressSanitizer and
+# UndefinedBehaviorSanitizer.
+#
+#   KDA_BUILD_DIR       Release build directory (default build)
+#   KDA_ASAN_BUILD_DIR  sanitizer build directory (default build-asan)
+#   KDA_JOBS            parallel compile and test jobs (default 2)
+#   KDA_SKIP_ASAN       set to 1 to skip the sanitizer build
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+build_dir="${KDA_BUILD_DIR:-build}"
+asan_dir="${KDA_ASAN_BUILD_DIR:-build-asan}"
+jobs="${KDA_JOBS:-2}"
+export KDA_BUILD_DIR="$build_dir" KDA_JOBS="$jobs"
+start=$SECONDS
+
+bash scripts/setup.sh
+
+echo "== Release: ctest"
+ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+
+echo "== Release: kda check"
+"$build_dir/kda" check
+
+if [[ "${KDA_SKIP_ASAN:-0}" != 1 ]]; then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer: build"
+  cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITIZE=address,undefined \
+    -DKDA_BUILD_BENCH=OFF -DKDA_BUILD_TOOLS=OFF
+  cmake --build "$asan_dir" -j "$jobs"
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer: ctest"
+  ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \
+    UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}" \
+    ctest --test-dir "$asan_dir" --output-on-failure -j "$jobs"
+fi
+
+echo "== every test passed ($((SECONDS - start)) s)"

@@ -1,0 +1,36 @@
+/* Compiled as C99 (see tests/CMakeLists.txt): kda/kda.h must be a valid C header, and the library
+ * callable from C. test_c_abi.cpp calls the function below. */
+#include <stddef.h>
+
+#include "kda/kda.h"
+
+int64_t kda_c_header_check_num_chunks(void);
+
+int64_t kda_c_header_check_num_chunks(void) {
+  /* Three sequences of 10, 70 and 70 tokens: 1 + 2 + 2 chunks of KDA_CHUNK_SIZE. */
+  static const int64_t cu_seqlens[] = {0, 10, 80, 150};
+  kda_problem p = kda_problem_default();
+  kda_forward_inputs in;
+  kda_backward_outputs grads;
+  kda_run_options options;
+  int64_t chunks = -1;
+  p.seq_len = 150;
+  p.heads = 2;
+  p.value_heads = 2;
+  p.key_dim = 64;
+  p.value_dim = 64;
+  p.cu_seqlens = cu_seqlens;
+  p.num_cu_seqlens = 4;
+  p.state_layout = KDA_STATE_V_FIRST;
+  p.gate = KDA_GATE_SOFTPLUS;
+  p.beta_mode = KDA_BETA_SIGMOID;
+  in.q = kda_make_input(NULL, KDA_DTYPE_BF16, &p, p.heads, p.key_dim);
+  grads.dq = kda_make_output(NULL, KDA_DTYPE_BF16, &p, p.heads, p.key_dim);
+  options.num_threads = 1;
+  (void)in;
+  (void)grads;
+  (void)options;
+  if (kda_num_chunks(&p, &chunks) != KDA_OK) return -1;
+  if (kda_last_error()[0] != '\0') return -2;
+  return chunks;
+}

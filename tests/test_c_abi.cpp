@@ -1,0 +1,435 @@
+// The C ABI (kda/kda.h): same results as the C++ API, bit for bit; every bad argument becomes
+// KDA_ERROR_INVALID_ARGUMENT with a message naming it, and nothing is written.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kda/kda.h"
+#include "kda/kda.hpp"
+
+// Defined in c_header_check.c, compiled as C99: builds a varlen problem in C and counts its chunks.
+extern "C" int64_t kda_c_header_check_num_chunks(void);
+
+namespace {
+
+// A small problem with GVA, two sequences and a partial chunk, its inputs and its outputs.
+struct Fixture {
+  kda_problem cp;
+  kda::Problem p;
+  std::vector<float> q, k, v, g, beta, h0;
+  std::vector<float> o, final_state, chunk_states;
+  std::vector<float> d_o, d_final_state;
+  std::vector<float> dq, dk, dv, dg, dbeta, dh0;
+
+  static constexpr int64_t B = 2, T = 70, H = 2, HV = 4, K = 16, V = 8;
+
+  Fixture() {
+    cp = kda_problem_default();
+    cp.batch = B;
+    cp.seq_len = T;
+    cp.heads = H;
+    cp.value_heads = HV;
+    cp.key_dim = K;
+    cp.value_dim = V;
+    cp.has_scale = 1;
+    cp.scale = 0.3f;
+    cp.state_layout = KDA_STATE_V_FIRST;
+    p.batch = B;
+    p.seq_len = T;
+    p.heads = H;
+    p.value_heads = HV;
+    p.key_dim = K;
+    p.value_dim = V;
+    p.scale = 0.3f;
+    p.state_layout = kda::StateLayout::v_first;
+
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal;
+    std::uniform_real_distribution<float> unit(0.05f, 0.95f);
+    auto fill = [&](std::vector<float>& x, size_t n) {
+      x.resize(n);
+      for (auto& e : x) e = normal(rng);
+    };
+    const size_t qk = B * T * H * K, vv = B * T * HV * V, gg = B * T * HV * K, bb = B * T * HV;
+    const size_t state = B * HV * K * V;
+    fill(q, qk);
+    fill(k, qk);
+    for (size_t r = 0; r < qk / K; ++r) {  // unit-norm keys
+      float ss = 0;
+      for (int64_t d = 0; d < K; ++d) ss += k[r * K + d] * k[r * K + d];
+      for (int64_t d = 0; d < K; ++d) k[r * K + d] /= std::sqrt(ss);
+    }
+    fill(v, vv);
+    g.resize(gg);
+    for (auto& e : g) e = -0.1f * unit(rng);
+    beta.resize(bb);
+    for (auto& e : beta) e = unit(rng);
+    fill(h0, state);
+    fill(d_o, vv);
+    fill(d_final_state, state);
+    o.assign(vv, 0.0f);
+    final_state.assign(state, 0.0f);
+    chunk_states.assign(static_cast<size_t>(kda::num_chunks(p)) * HV * K * V, 0.0f);
+    dq.assign(qk, 0.0f);
+    dk.assign(qk, 0.0f);
+    dv.assign(vv, 0.0f);
+    dg.assign(gg, 0.0f);
+    dbeta.assign(bb, 0.0f);
+    dh0.assign(state, 0.0f);
+  }
+
+  kda_forward_inputs c_inputs() const {
+    kda_forward_inputs in{};
+    in.q = kda_make_input(q.data(), KDA_DTYPE_F32, &cp, H, K);
+    in.k = kda_make_input(k.data(), KDA_DTYPE_F32, &cp, H, K);
+    in.v = kda_make_input(v.data(), KDA_DTYPE_F32, &cp, HV, V);
+    in.g = kda_make_input(g.data(), KDA_DTYPE_F32, &cp, HV, K);
+    in.beta = kda_make_input(beta.data(), KDA_DTYPE_F32, &cp, HV, 1);
+    in.initial_state = h0.data();
+    return in;
+  }
+  kda_forward_outputs c_outputs() {
+    kda_forward_outputs out{};
+    out.o = kda_make_output(o.data(), KDA_DTYPE_F32, &cp, HV, V);
+    out.final_state = final_state.data();
+    out.chunk_states = chunk_states.data();
+    return out;
+  }
+  kda_backward_inputs c_backward_inputs() const {
+    kda_backward_inputs in{};
+    in.fwd = c_inputs();
+    in.d_o = kda_make_input(d_o.data(), KDA_DTYPE_F32, &cp, HV, V);
+    in.d_final_state = d_final_state.data();
+    return in;
+  }
+  kda_backward_outputs c_backward_outputs() {
+    kda_backward_outputs out{};
+    out.dq = kda_make_output(dq.data(), KDA_DTYPE_F32, &cp, H, K);
+    out.dk = kda_make_output(dk.data(), KDA_DTYPE_F32, &cp, H, K);
+    out.dv = kda_make_output(dv.data(), KDA_DTYPE_F32, &cp, HV, V);
+    out.dg = kda_make_output(dg.data(), KDA_DTYPE_F32, &cp, HV, K);
+    out.dbeta = kda_make_output(dbeta.data(), KDA_DTYPE_F32, &cp, HV, 1);
+    out.d_initial_state = dh0.data();
+    return out;
+  }
+
+  kda::ForwardInputs cpp_inputs() const {
+    kda::ForwardInputs in;
+    in.q = kda::make_input(q.data(), kda::DType::f32, p, H, K);
+    in.k = kda::make_input(k.data(), kda::DType::f32, p, H, K);
+    in.v = kda::make_input(v.data(), kda::DType::f32, p, HV, V);
+    in.g = kda::make_input(g.data(), kda::DType::f32, p, HV, K);
+    in.beta = kda::make_input(beta.data(), kda::DType::f32, p, HV, 1);
+    in.initial_state = h0.data();
+    return in;
+  }
+  kda::ForwardOutputs cpp_outputs() {
+    kda::ForwardOutputs out;
+    out.o = kda::make_output(o.data(), kda::DType::f32, p, HV, V);
+    out.final_state = final_state.data();
+    out.chunk_states = chunk_states.data();
+    return out;
+  }
+  kda::BackwardInputs cpp_backward_inputs() const {
+    kda::BackwardInputs in;
+    in.fwd = cpp_inputs();
+    in.d_o = kda::make_input(d_o.data(), kda::DType::f32, p, HV, V);
+    in.d_final_state = d_final_state.data();
+    return in;
+  }
+  kda::BackwardOutputs cpp_backward_outputs() {
+    kda::BackwardOutputs out;
+    out.dq = kda::make_output(dq.data(), kda::DType::f32, p, H, K);
+    out.dk = kda::make_output(dk.data(), kda::DType::f32, p, H, K);
+    out.dv = kda::make_output(dv.data(), kda::DType::f32, p, HV, V);
+    out.dg = kda::make_output(dg.data(), kda::DType::f32, p, HV, K);
+    out.dbeta = kda::make_output(dbeta.data(), kda::DType::f32, p, HV, 1);
+    out.d_initial_state = dh0.data();
+    return out;
+  }
+
+  // Every output buffer, to compare runs or check that nothing was written.
+  std::vector<std::vector<float>*> outputs() {
+    return {&o, &final_state, &chunk_states, &dq, &dk, &dv, &dg, &dbeta, &dh0};
+  }
+  void fill_outputs(float x) {
+    for (auto* buf : outputs()) std::fill(buf->begin(), buf->end(), x);
+  }
+  std::vector<std::vector<float>> snapshot() {
+    std::vector<std::vector<float>> s;
+    for (auto* buf : outputs()) s.push_back(*buf);
+    return s;
+  }
+};
+
+bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+const kda_run_options kOneThread{1};
+
+TEST(CAbi, VersionAndStatusStrings) {
+  EXPECT_STREQ(kda_version(), KDA_VERSION_STRING);
+  EXPECT_EQ(std::string(KDA_VERSION_STRING), std::to_string(KDA_VERSION_MAJOR) + "." +
+                                                 std::to_string(KDA_VERSION_MINOR) + "." +
+                                                 std::to_string(KDA_VERSION_PATCH));
+  EXPECT_STREQ(kda_status_string(KDA_OK), "KDA_OK");
+  EXPECT_STREQ(kda_status_string(KDA_ERROR_INVALID_ARGUMENT), "KDA_ERROR_INVALID_ARGUMENT");
+  EXPECT_STREQ(kda_status_string(KDA_ERROR_OUT_OF_MEMORY), "KDA_ERROR_OUT_OF_MEMORY");
+  EXPECT_STREQ(kda_status_string(KDA_ERROR_INTERNAL), "KDA_ERROR_INTERNAL");
+}
+
+TEST(CAbi, ProblemDefaultsMirrorCpp) {
+  const kda_problem c = kda_problem_default();
+  const kda::Problem d;
+  EXPECT_EQ(c.batch, d.batch);
+  EXPECT_EQ(c.seq_len, d.seq_len);
+  EXPECT_EQ(c.heads, d.heads);
+  EXPECT_EQ(c.value_heads, d.value_heads);
+  EXPECT_EQ(c.key_dim, d.key_dim);
+  EXPECT_EQ(c.value_dim, d.value_dim);
+  EXPECT_EQ(c.cu_seqlens, nullptr);
+  EXPECT_EQ(c.num_cu_seqlens, 0);
+  EXPECT_EQ(c.has_scale, 0);
+  EXPECT_EQ(c.state_layout, static_cast<int32_t>(d.state_layout));
+  EXPECT_EQ(c.qk_l2norm != 0, d.qk_l2norm);
+  EXPECT_EQ(c.gate, static_cast<int32_t>(d.gate));
+  EXPECT_EQ(c.gate_lower_bound, d.gate_lower_bound);
+  EXPECT_EQ(c.beta_mode, static_cast<int32_t>(d.beta));
+}
+
+TEST(CAbi, MakeViewsMirrorCpp) {
+  Fixture f;
+  float x = 0;
+  const kda_input ci = kda_make_input(&x, KDA_DTYPE_BF16, &f.cp, 3, 5);
+  const kda::Input i = kda::make_input(&x, kda::DType::bf16, f.p, 3, 5);
+  EXPECT_EQ(ci.data, i.data);
+  EXPECT_EQ(ci.dtype, KDA_DTYPE_BF16);
+  EXPECT_EQ(ci.stride_b, i.stride_b);
+  EXPECT_EQ(ci.stride_t, i.stride_t);
+  EXPECT_EQ(ci.stride_h, i.stride_h);
+  const kda_output co = kda_make_output(&x, KDA_DTYPE_F32, &f.cp, 3, 5);
+  const kda::Output o = kda::make_output(&x, kda::DType::f32, f.p, 3, 5);
+  EXPECT_EQ(co.data, o.data);
+  EXPECT_EQ(co.stride_b, o.stride_b);
+  EXPECT_EQ(co.stride_t, o.stride_t);
+  EXPECT_EQ(co.stride_h, o.stride_h);
+
+  const kda_input none = kda_make_input(&x, KDA_DTYPE_F32, nullptr, 3, 5);
+  EXPECT_EQ(none.data, nullptr);
+  EXPECT_NE(std::string(kda_last_error()).find("'p'"), std::string::npos) << kda_last_error();
+}
+
+TEST(CAbi, NumChunksAndSequences) {
+  Fixture f;
+  int64_t n = -1;
+  ASSERT_EQ(kda_num_chunks(&f.cp, &n), KDA_OK) << kda_last_error();
+  EXPECT_EQ(n, kda::num_chunks(f.p));
+  EXPECT_EQ(n, 4);  // two sequences of 70 tokens: 2 chunks each
+  ASSERT_EQ(kda_num_sequences(&f.cp, &n), KDA_OK) << kda_last_error();
+  EXPECT_EQ(n, 2);
+
+  const int64_t cu[] = {0, 10, 80, 150};
+  kda_problem vp = f.cp;
+  vp.batch = 1;
+  vp.seq_len = 150;
+  vp.cu_seqlens = cu;
+  vp.num_cu_seqlens = 4;
+  ASSERT_EQ(kda_num_chunks(&vp, &n), KDA_OK) << kda_last_error();
+  EXPECT_EQ(n, 5);
+  ASSERT_EQ(kda_num_sequences(&vp, &n), KDA_OK) << kda_last_error();
+  EXPECT_EQ(n, 3);
+}
+
+TEST(CAbi, HeaderCompilesAndLinksAsC) { EXPECT_EQ(kda_c_header_check_num_chunks(), 5); }
+
+TEST(CAbi, ChunkForwardMatchesCppBitwise) {
+  Fixture f;
+  f.fill_outputs(-7.0f);
+  const kda_forward_inputs in = f.c_inputs();
+  const kda_forward_outputs out = f.c_outputs();
+  ASSERT_EQ(kda_chunk_forward(&f.cp, &in, &out, &kOneThread), KDA_OK) << kda_last_error();
+  EXPECT_STREQ(kda_last_error(), "");
+  const auto via_c = f.snapshot();
+  f.fill_outputs(-7.0f);
+  kda::chunk_forward(f.p, f.cpp_inputs(), f.cpp_outputs(), kda::RunOptions{1});
+  EXPECT_TRUE(bitwise_equal(via_c, f.snapshot()));
+  EXPECT_NE(via_c[0][0], -7.0f);  // o was written
+}
+
+TEST(CAbi, RecurrentForwardMatchesCppBitwise) {
+  Fixture f;
+  f.fill_outputs(-7.0f);
+  const kda_forward_inputs in = f.c_inputs();
+  kda_forward_outputs out = f.c_outputs();
+  out.chunk_states = nullptr;
+  ASSERT_EQ(kda_recurrent_forward(&f.cp, &in, &out, nullptr), KDA_OK) << kda_last_error();
+  const auto via_c = f.snapshot();
+  f.fill_outputs(-7.0f);
+  kda::ForwardOutputs cpp_out = f.cpp_outputs();
+  cpp_out.chunk_states = nullptr;
+  kda::recurrent_forward(f.p, f.cpp_inputs(), cpp_out);
+  EXPECT_TRUE(bitwise_equal(via_c, f.snapshot()));
+}
+
+// The backward may not be built yet: then C must report what C++ throws, as an error status.
+template <typename CFn, typename CppFn>
+void check_backward_mirrors_cpp(CFn c_fn, CppFn cpp_fn) {
+  Fixture f;
+  f.fill_outputs(-7.0f);
+  const kda_backward_inputs in = f.c_backward_inputs();
+  const kda_backward_outputs out = f.c_backward_outputs();
+  const kda_status status = c_fn(&f.cp, &in, &out, &kOneThread);
+  const std::string c_error = kda_last_error();
+  const auto via_c = f.snapshot();
+  f.fill_outputs(-7.0f);
+  std::string cpp_error;
+  try {
+    cpp_fn(f.p, f.cpp_backward_inputs(), f.cpp_backward_outputs(), kda::RunOptions{1});
+  } catch (const std::exception& e) {
+    cpp_error = e.what();
+  }
+  if (cpp_error.empty()) {
+    ASSERT_EQ(status, KDA_OK) << c_error;
+    EXPECT_TRUE(bitwise_equal(via_c, f.snapshot()));
+  } else {
+    EXPECT_NE(status, KDA_OK);
+    EXPECT_NE(c_error.find(cpp_error), std::string::npos) << "C: " << c_error << "\nC++: " << cpp_error;
+  }
+}
+
+TEST(CAbi, ChunkBackwardMirrorsCpp) {
+  check_backward_mirrors_cpp(&kda_chunk_backward, [](auto&&... a) { kda::chunk_backward(a...); });
+}
+
+TEST(CAbi, RecurrentBackwardMirrorsCpp) {
+  check_backward_mirrors_cpp(&kda_recurrent_backward, [](auto&&... a) { kda::recurrent_backward(a...); });
+}
+
+// Runs `call`, expects KDA_ERROR_INVALID_ARGUMENT with a message containing `needle`, and that no
+// output was written.
+template <typename Call>
+void expect_rejected(Fixture& f, const std::string& needle, Call call) {
+  f.fill_outputs(-7.0f);
+  const auto before = f.snapshot();
+  const kda_status status = call();
+  EXPECT_EQ(status, KDA_ERROR_INVALID_ARGUMENT) << kda_status_string(status);
+  const std::string message = kda_last_error();
+  EXPECT_NE(message.find(needle), std::string::npos)
+      << "message: " << message << "\nexpected to contain: " << needle;
+  EXPECT_TRUE(bitwise_equal(before, f.snapshot())) << "an output was written by a rejected call";
+}
+
+TEST(CAbi, NullStructPointersNameTheArgument) {
+  Fixture f;
+  const kda_forward_inputs in = f.c_inputs();
+  const kda_forward_outputs out = f.c_outputs();
+  const kda_backward_inputs bin = f.c_backward_inputs();
+  const kda_backward_outputs bout = f.c_backward_outputs();
+  for (auto fn : {&kda_chunk_forward, &kda_recurrent_forward}) {
+    expect_rejected(f, "argument 'p' is NULL", [&] { return fn(nullptr, &in, &out, nullptr); });
+    expect_rejected(f, "argument 'inputs' is NULL", [&] { return fn(&f.cp, nullptr, &out, nullptr); });
+    expect_rejected(f, "argument 'outputs' is NULL", [&] { return fn(&f.cp, &in, nullptr, nullptr); });
+  }
+  for (auto fn : {&kda_chunk_backward, &kda_recurrent_backward}) {
+    expect_rejected(f, "argument 'p' is NULL", [&] { return fn(nullptr, &bin, &bout, nullptr); });
+    expect_rejected(f, "argument 'inputs' is NULL", [&] { return fn(&f.cp, nullptr, &bout, nullptr); });
+    expect_rejected(f, "argument 'outputs' is NULL", [&] { return fn(&f.cp, &bin, nullptr, nullptr); });
+  }
+  int64_t n = 0;
+  EXPECT_EQ(kda_num_chunks(nullptr, &n), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("'p'"), std::string::npos) << kda_last_error();
+  EXPECT_EQ(kda_num_chunks(&f.cp, nullptr), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("'out'"), std::string::npos) << kda_last_error();
+  EXPECT_EQ(kda_num_sequences(&f.cp, nullptr), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("'out'"), std::string::npos) << kda_last_error();
+}
+
+TEST(CAbi, BadArgumentsNameTheArgument) {
+  Fixture f;
+  const kda_forward_inputs good_in = f.c_inputs();
+  const kda_forward_outputs good_out = f.c_outputs();
+  auto forward_with = [&](const kda_problem& p, const kda_forward_inputs& in,
+                          const kda_forward_outputs& out) {
+    return [p, in, out] { return kda_chunk_forward(&p, &in, &out, nullptr); };
+  };
+
+  kda_problem p = f.cp;
+  p.key_dim = 300;
+  expect_rejected(f, "key_dim", forward_with(p, good_in, good_out));
+  p = f.cp;
+  p.value_heads = 3;
+  expect_rejected(f, "value_heads", forward_with(p, good_in, good_out));
+  p = f.cp;
+  p.gate = 9;
+  expect_rejected(f, "gate", forward_with(p, good_in, good_out));
+  p = f.cp;
+  p.beta_mode = -1;
+  expect_rejected(f, "beta", forward_with(p, good_in, good_out));
+  p = f.cp;
+  p.state_layout = 2;
+  expect_rejected(f, "state_layout", forward_with(p, good_in, good_out));
+  p = f.cp;
+  p.has_scale = 1;
+  p.scale = NAN;
+  expect_rejected(f, "scale", forward_with(p, good_in, good_out));
+
+  p = f.cp;
+  p.num_cu_seqlens = 3;  // with cu_seqlens NULL
+  expect_rejected(f, "cu_seqlens", forward_with(p, good_in, good_out));
+  p.num_cu_seqlens = -1;
+  expect_rejected(f, "num_cu_seqlens", forward_with(p, good_in, good_out));
+  const int64_t cu[] = {0, 100, 140};  // batch must be 1 and the last offset seq_len
+  p = f.cp;
+  p.cu_seqlens = cu;
+  p.num_cu_seqlens = 3;
+  expect_rejected(f, "cu_seqlens", forward_with(p, good_in, good_out));
+
+  kda_forward_inputs in = good_in;
+  in.v.data = nullptr;
+  expect_rejected(f, "'v'", forward_with(f.cp, in, good_out));
+  in = good_in;
+  in.q.dtype = 7;
+  expect_rejected(f, "'q'", forward_with(f.cp, in, good_out));
+  in = good_in;
+  in.k.dtype = KDA_DTYPE_BF16;  // q is f32
+  expect_rejected(f, "'k'", forward_with(f.cp, in, good_out));
+  in = good_in;
+  in.A_log = f.h0.data();  // only for fused gates
+  expect_rejected(f, "A_log", forward_with(f.cp, in, good_out));
+
+  kda_forward_outputs out = good_out;
+  out.o.dtype = KDA_DTYPE_BF16;  // v is f32
+  expect_rejected(f, "'o'", forward_with(f.cp, good_in, out));
+  out = good_out;
+  out.o.stride_t = 1;  // rows overlap
+  expect_rejected(f, "'o'", forward_with(f.cp, good_in, out));
+
+  kda_problem fused = f.cp;
+  fused.gate = KDA_GATE_SOFTPLUS;  // needs A_log
+  expect_rejected(f, "A_log", forward_with(fused, good_in, good_out));
+}
+
+TEST(CAbi, LastErrorIsClearedOnSuccessAndThreadLocal) {
+  Fixture f;
+  int64_t n = 0;
+  ASSERT_EQ(kda_num_chunks(nullptr, &n), KDA_ERROR_INVALID_ARGUMENT);
+  ASSERT_STRNE(kda_last_error(), "");
+  std::string other_thread = "unset";
+  std::thread([&] { other_thread = kda_last_error(); }).join();
+  EXPECT_EQ(other_thread, "");
+  EXPECT_STRNE(kda_last_error(), "");  // still this thread's message
+  ASSERT_EQ(kda_num_chunks(&f.cp, &n), KDA_OK);
+  EXPECT_STREQ(kda_last_error(), "");
+}
+
+}  // namespace

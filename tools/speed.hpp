@@ -1,0 +1,136 @@
+// Timing helpers and the FLOP model shared by `kda bench` (tools/kda_cli.cpp) and kda_bench
+// (bench/bench_kda.cpp).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "demo_inputs.hpp"
+
+namespace kda_demo {
+
+// Nominal FLOPs per token per value head (multiply and add counted separately).
+//  - recurrent: per token the decay, k^T S, the rank-1 correction and q^T S touch the K x V state
+//    seven times: 7 K V (114.7 kFLOP at K = V = 128).
+//  - chunked (C = 64 rows): the three products with the state (q.S, W.S, K^T.Vn) cost 6 K V per row;
+//    the intra-chunk products (L and P over K, P.Vn, and T applied to K and V, all triangular) cost
+//    3 C (K + V); the triangular solve and the decay factors about 5/6 C^2.
+//    150.9 kFLOP at K = V = 128.
+inline double recurrent_flops_per_token_head(int64_t K, int64_t V) { return 7.0 * K * V; }
+inline double chunk_flops_per_token_head(int64_t K, int64_t V) {
+  const double C = static_cast<double>(kda::kChunkSize);
+  return 6.0 * K * V + 3.0 * C * (K + V) + 5.0 / 6.0 * C * C;
+}
+
+inline double median(std::vector<double> x) {
+  if (x.empty()) return 0.0;
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Runs fn once to warm up, then `reps` timed times; returns the seconds of each timed run. When
+// `label` is not empty, progress goes to stderr (only once a run took over a second, so short
+// measurements stay quiet).
+inline std::vector<double> time_runs(const std::string& label, int reps, const std::function<void()>& fn) {
+  std::vector<double> times;
+  auto t0 = std::chrono::steady_clock::now();
+  fn();
+  const double warm = seconds_since(t0);
+  const bool verbose = !label.empty() && warm > 1.0;
+  if (verbose) std::fprintf(stderr, "  %s: warm-up %.2f s\n", label.c_str(), warm);
+  for (int r = 0; r < reps; ++r) {
+    t0 = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(seconds_since(t0));
+    if (verbose) std::fprintf(stderr, "  %s: rep %d/%d %.2f s\n", label.c_str(), r + 1, reps, times.back());
+  }
+  return times;
+}
+
+// Median seconds of the KDA speed runs at one thread count; nullopt where a path threw (e.g. a
+// backward that is not built yet), with the reason.
+struct SpeedResult {
+  std::optional<double> chunk_fwd, recurrent_fwd;
+  std::optional<double> train_fwd, train_bwd;  // forward keeping chunk_states, then chunk_backward
+  std::string chunk_fwd_error, recurrent_fwd_error, backward_error;
+};
+
+// The Case must have been made with with_backward = true for the backward runs.
+inline SpeedResult measure_speed(const Case& c, int threads, int reps, bool with_backward) {
+  SpeedResult r;
+  const kda::RunOptions opt{threads};
+  const std::string tag = " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
+  const kda::ForwardInputs in = c.inputs();
+  try {
+    ForwardBuffers fb(c, false);
+    const kda::ForwardOutputs out = fb.outputs(c.problem);
+    r.chunk_fwd =
+        median(time_runs("chunk_forward" + tag, reps, [&] { kda::chunk_forward(c.problem, in, out, opt); }));
+  } catch (const std::exception& e) {
+    r.chunk_fwd_error = e.what();
+  }
+  try {
+    ForwardBuffers fb(c, false);
+    const kda::ForwardOutputs out = fb.outputs(c.problem);
+    r.recurrent_fwd = median(
+        time_runs("recurrent_forward" + tag, reps, [&] { kda::recurrent_forward(c.problem, in, out, opt); }));
+  } catch (const std::exception& e) {
+    r.recurrent_fwd_error = e.what();
+  }
+  if (with_backward) {
+    try {
+      ForwardBuffers fb(c, true);
+      BackwardBuffers bb(c);
+      const kda::ForwardOutputs fout = fb.outputs(c.problem);
+      const kda::BackwardInputs bin = c.backward_inputs(fb.chunk_states.data());
+      const kda::BackwardOutputs bout = bb.outputs(c.problem);
+      // Forward and backward timed separately within each rep, as a training step runs them.
+      std::vector<double> fwd, bwd;
+      time_runs("chunk forward+backward" + tag, reps, [&] {
+        auto t0 = std::chrono::steady_clock::now();
+        kda::chunk_forward(c.problem, in, fout, opt);
+        fwd.push_back(seconds_since(t0));
+        t0 = std::chrono::steady_clock::now();
+        kda::chunk_backward(c.problem, bin, bout, opt);
+        bwd.push_back(seconds_since(t0));
+      });
+      fwd.erase(fwd.begin());  // the warm-up
+      bwd.erase(bwd.begin());
+      r.train_fwd = median(fwd);
+      r.train_bwd = median(bwd);
+    } catch (const std::exception& e) {
+      r.backward_error = e.what();
+    }
+  }
+  return r;
+}
+
+// Parses "1,2,4" into thread counts (> 0); empty on a malformed list.
+inline std::vector<int> parse_int_list(const std::string& s) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    const std::string item = s.substr(pos, comma - pos);
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v <= 0 || v > 4096) return {};
+    out.push_back(static_cast<int>(v));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace kda_demo
