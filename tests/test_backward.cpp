@@ -1,0 +1,697 @@
+// Backward parity of both kernels (chunked and recurrent) against the float64 oracle, for every
+// gradient (dq, dk, dv, dg, dbeta, d_initial_state and, with fused gates, dA_log and ddt_bias): every
+// gate regime and fused option, edge lengths, variable-length batches, GVA (dq / dk summed over the
+// group), head sizes, layouts, dtypes, strided views, with and without an initial state and a
+// final-state gradient. The chunked backward runs twice per case, once recomputing the states
+// entering every chunk and once given them (chunk_forward's chunk_states); both must give the same
+// bits. Plus one long sequence and determinism over thread counts.
+// Tolerances (relative RMS against the oracle, per gradient): fp32 1e-5; bf16 4e-3 for dq, dk, dv and
+// d_initial_state, 1e-2 for dg, dbeta, dA_log and ddt_bias (a gradient returned in bf16 is measured
+// after its rounding; the fp32 ones of a case with bf16 inputs get the bf16 tolerance).
+// Set KDA_TEST_VERBOSE=1 to print every case's errors and, at the end, the worst error per gradient.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "core/preprocess.hpp"
+#include "test_util.hpp"
+
+namespace kda::test {
+namespace {
+
+bool verbose() {
+  static const bool v = std::getenv("KDA_TEST_VERBOSE") != nullptr;
+  return v;
+}
+
+// ---- gradients and their tolerances ------------------------------------------------------------
+
+enum Grad { kDq, kDk, kDv, kDg, kDbeta, kDh0, kDALog, kDdtBias, kNumGrads };
+constexpr const char* kGradNames[kNumGrads] = {"dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"};
+
+double backward_tolerance(Grad g, bool bf16) {
+  if (!bf16) return 1e-5;
+  switch (g) {
+    case kDq:
+    case kDk:
+    case kDv:
+    case kDh0: return 4e-3;
+    default: return 1e-2;
+  }
+}
+
+// Worst error seen per (kernel variant, precision class, gradient), printed at the end when verbose.
+struct Worst {
+  double err = -1.0;
+  std::string where;
+};
+std::map<std::tuple<std::string, bool, int>, Worst>& worst_table() {
+  static std::map<std::tuple<std::string, bool, int>, Worst> table;
+  return table;
+}
+
+class WorstErrorReport : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (!verbose() || worst_table().empty()) return;
+    std::printf("Backward: worst relative RMS error per gradient (kernel, precision class)\n");
+    for (const auto& [key, w] : worst_table())
+      std::printf("  %-13s %-4s %-8s %.3e (tol %.0e)  %s\n", std::get<0>(key).c_str(),
+                  std::get<1>(key) ? "bf16" : "f32", kGradNames[std::get<2>(key)], w.err,
+                  backward_tolerance(static_cast<Grad>(std::get<2>(key)), std::get<1>(key)), w.where.c_str());
+  }
+};
+::testing::Environment* const kWorstErrorReport = ::testing::AddGlobalTestEnvironment(new WorstErrorReport);
+
+// ---- one backward case -------------------------------------------------------------------------
+
+struct BwdCase {
+  Case c;
+  bool d_final_state = true;  // pass a gradient of the final state
+  std::string name() const { return c.name() + (d_final_state ? "_dfin" : ""); }
+};
+// gtest prints a BwdCase parameter by its name.
+void PrintTo(const BwdCase& bc, std::ostream* os) { *os << bc.name(); }
+
+// The oracle's gradient as an fp32 value can hold it: a value below fp32's range becomes 0 (or
+// subnormal) rather than a target no fp32 kernel can reach. Example: with a spike on the only token,
+// d_initial_state = e^g dS with g <= -200 is ~1e-140 in float64 and exactly 0 in fp32, a relative
+// error of 1 against the raw oracle. Elsewhere this moves the reference by at most 2^-24 relative.
+std::vector<double> fp32_reference(const std::vector<double>& x) {
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = static_cast<float>(x[i]);
+  return r;
+}
+
+// dA_log and ddt_bias are sums over every token (and key channel) of per-element terms; a sum's
+// rounding error is proportional to the sum of its terms' magnitudes, not to the sum itself, which
+// can cancel (by 150x in one grid case). Their error is therefore measured against the RMS of
+// sum |term| per output element, from the oracle's per-element raw-gate gradient dg:
+//   ddt_bias[hv, d]: terms dg;   dA_log[hv]: terms dg * (d log-decay / dA_log) / (d log-decay / dx),
+// i.e. dg * softplus(z) / sigmoid(z) for the softplus gate and dg * z for the lower-bound gate, z = x + bias.
+struct ReductionScales {
+  double dA_log = 0, ddt_bias = 0;
+};
+ReductionScales reduction_scales(const Data& d, const reference::Gradients& ref) {
+  const Case& c = d.c;
+  std::vector<double> sum_a(static_cast<size_t>(c.HV), 0.0), sum_b(static_cast<size_t>(c.HV * c.K), 0.0);
+  const std::vector<double> x = d.g.packed();  // [B, T, HV, K]
+  for (size_t i = 0; i < x.size(); ++i) {
+    const int64_t kk = static_cast<int64_t>(i) % c.K;
+    const int64_t hv = static_cast<int64_t>(i) / c.K % c.HV;
+    const double z = x[i] + (d.dt_bias.empty() ? 0.0 : d.dt_bias[hv * c.K + kk]);
+    double ratio = z;  // lower-bound gate
+    if (c.gate == GateMode::softplus) {
+      const double sg = sigmoid(z);
+      ratio = sg > 0 ? core::softplus(z) / sg : 1.0;  // -> 1 as z -> -inf
+    }
+    sum_a[hv] += std::abs(ref.dg[i] * ratio);
+    sum_b[hv * c.K + kk] += std::abs(ref.dg[i]);
+  }
+  const auto rms = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double e : v) s += e * e;
+    return std::sqrt(s / std::max<size_t>(1, v.size()));
+  };
+  return {rms(sum_a), rms(sum_b)};
+}
+
+// RMS(got - ref) / scale.
+double rms_error_against(const std::vector<double>& ref, const std::vector<double>& got, double scale) {
+  double s = 0;
+  for (size_t i = 0; i < ref.size(); ++i) s += (got[i] - ref[i]) * (got[i] - ref[i]);
+  const double rms = std::sqrt(s / std::max<size_t>(1, ref.size()));
+  return scale > 0 ? rms / scale : rms;
+}
+
+bool any_bf16(const Data& d) {
+  return d.c.dtype == DType::bf16 || d.c.gate_dtype.value_or(d.c.dtype) == DType::bf16;
+}
+
+// Checks every gradient of one kernel run against the oracle: finite, within tolerance, nothing
+// written outside the rows of a strided output.
+void check_gradients(const char* label, const BwdCase& bc, const Data& d, const BackwardRun& run,
+                     const reference::Gradients& ref) {
+  SCOPED_TRACE(label);
+  const BackwardOut& o = run.out;
+  const bool fused = d.c.gate != GateMode::log_decay;
+  const bool bf16_case = any_bf16(d);
+  EXPECT_TRUE(run.padding_ok) << "the kernel wrote outside the rows of a strided gradient";
+
+  struct Item {
+    Grad g;
+    const std::vector<double>* ref;
+    std::vector<double> got;
+    bool finite, bf16;
+  };
+  const auto tensor = [&](Grad g, const std::vector<double>& r, const Tensor& t) {
+    return Item{g, &r, t.packed(), t.all_finite(), t.dtype() == DType::bf16};
+  };
+  const auto buffer = [&](Grad g, const std::vector<double>& r, const std::vector<float>& x) {
+    return Item{g, &r, widen(x), all_finite(x), bf16_case};
+  };
+  std::vector<Item> items = {
+      tensor(kDq, ref.dq, o.dq),          tensor(kDk, ref.dk, o.dk),
+      tensor(kDv, ref.dv, o.dv),          tensor(kDg, ref.dg, o.dg),
+      tensor(kDbeta, ref.dbeta, o.dbeta), buffer(kDh0, ref.d_initial_state, o.d_initial_state)};
+  if (fused) {
+    items.push_back(buffer(kDALog, ref.dA_log, o.dA_log));
+    items.push_back(buffer(kDdtBias, ref.ddt_bias, o.ddt_bias));
+  }
+
+  std::array<double, kNumGrads> err{};
+  err.fill(-1.0);
+  const ReductionScales scales = fused ? reduction_scales(d, ref) : ReductionScales{};
+  for (const Item& it : items) {
+    const char* name = kGradNames[it.g];
+    EXPECT_TRUE(it.finite) << name << ": non-finite (or unwritten) element";
+    const double e = it.g == kDALog     ? rms_error_against(*it.ref, it.got, scales.dA_log)
+                     : it.g == kDdtBias ? rms_error_against(*it.ref, it.got, scales.ddt_bias)
+                                        : rel_rms(fp32_reference(*it.ref), it.got);
+    const double tol = backward_tolerance(it.g, it.bf16);
+    EXPECT_LE(e, tol) << name << (it.bf16 ? " (bf16 class)" : " (f32 class)");
+    err[it.g] = e;
+    Worst& w = worst_table()[{label, it.bf16, it.g}];
+    if (!(e <= w.err)) w = Worst{e, bc.name()};  // NaN-safe: an infinite error is always recorded
+  }
+  if (verbose()) {
+    std::printf("  %-13s %s\n   ", label, bc.name().c_str());
+    for (int g = 0; g < kNumGrads; ++g)
+      if (err[g] >= 0.0) std::printf(" %s %.2e", kGradNames[g], err[g]);
+    std::printf("\n");
+  }
+}
+
+// Names of the gradients whose bits differ between two runs; empty when all are identical.
+std::string differing_gradients(const BackwardOut& a, const BackwardOut& b) {
+  std::string r;
+  const auto add = [&](bool same, Grad g) {
+    if (!same) r += std::string(r.empty() ? "" : ", ") + kGradNames[g];
+  };
+  add(bitwise_equal(a.dq, b.dq), kDq);
+  add(bitwise_equal(a.dk, b.dk), kDk);
+  add(bitwise_equal(a.dv, b.dv), kDv);
+  add(bitwise_equal(a.dg, b.dg), kDg);
+  add(bitwise_equal(a.dbeta, b.dbeta), kDbeta);
+  add(bitwise_equal(a.d_initial_state, b.d_initial_state), kDh0);
+  add(bitwise_equal(a.dA_log, b.dA_log), kDALog);
+  add(bitwise_equal(a.ddt_bias, b.ddt_bias), kDdtBias);
+  return r;
+}
+
+const float* data_or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
+void check_both_kernels(const BwdCase& bc) {
+  SCOPED_TRACE(bc.name());
+  Data d;
+  make_data(bc.c, d);
+  Cotangents ct;
+  make_cotangents(d, bc.d_final_state, bc.c.seed + 1000, ct);
+  const reference::Gradients ref = oracle_backward(d, ct);
+  for (const auto* r :
+       {&ref.dq, &ref.dk, &ref.dv, &ref.dg, &ref.dbeta, &ref.d_initial_state, &ref.dA_log, &ref.ddt_bias})
+    ASSERT_TRUE(all_finite(*r)) << "the oracle gave a non-finite gradient";
+
+  // Chunked: the states entering every chunk recomputed, then given (from chunk_forward).
+  const BackwardRun recomputed = run_backward(Kernel::chunk, d, ct);
+  check_gradients("chunk", bc, d, recomputed, ref);
+  const ForwardRun fwd = run_forward(Kernel::chunk, d);
+  ASSERT_TRUE(all_finite(fwd.out.chunk_states));
+  const BackwardRun given = run_backward(Kernel::chunk, d, ct, {}, data_or_null(fwd.out.chunk_states));
+  check_gradients("chunk+states", bc, d, given, ref);
+  EXPECT_EQ(differing_gradients(recomputed.out, given.out), "")
+      << "chunk_backward: gradients differ between given and recomputed chunk states";
+
+  check_gradients("recurrent", bc, d, run_backward(Kernel::recurrent, d, ct), ref);
+}
+
+class BackwardParity : public ::testing::TestWithParam<BwdCase> {};
+
+TEST_P(BackwardParity, BothKernels) { check_both_kernels(GetParam()); }
+
+std::string case_name(const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name(); }
+
+// ---- case grids ----------------------------------------------------------------------------------
+
+// The forward's grid: every regime at every edge length, the other axes (head sizes, GVA ratio,
+// batch, layout, initial state, dtype, fused options, scale, final-state gradient) spread over the
+// cases. The oracle backward costs ~T * HV * K * V: the T = 1000 cases keep one or two value heads
+// and V <= 60.
+std::vector<BwdCase> grid_cases() {
+  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
+  const int64_t lengths[] = {1, 15, 16, 17, 63, 64, 65, 1000};
+  const int64_t dims[] = {16, 60, 100, 128};
+  const int64_t ratios[] = {1, 2, 4};
+  std::vector<BwdCase> cases;
+  int i = 0;
+  for (Regime r : regimes)
+    for (int64_t T : lengths) {
+      Rng pick(0xbac0000u + static_cast<uint64_t>(i));
+      BwdCase bc;
+      Case& c = bc.c;
+      c.regime = r;
+      c.T = T;
+      c.seed = 1100 + static_cast<uint64_t>(i);
+      c.K = dims[i % 4];
+      const bool long_seq = T >= 1000;
+      c.V = dims[(i + i / 4) % 4 / (long_seq ? 2 : 1)];  // T = 1000: V in {16, 60}
+      c.H = long_seq ? 1 : 1 + pick.below(2);
+      c.HV = c.H * (long_seq ? ratios[(i / 8) % 2] : ratios[i % 3]);
+      c.B = long_seq ? 1 : 1 + pick.below(2);
+      c.layout = pick.chance(0.5) ? StateLayout::v_first : StateLayout::k_first;
+      c.initial_state = pick.chance(0.6);
+      c.dtype = pick.chance(0.3) ? DType::bf16 : DType::f32;
+      c.qk_l2norm = pick.chance(0.5);
+      c.beta = static_cast<BetaMode>(pick.below(3));
+      const double u = pick.uniform();
+      if (r == Regime::unbounded)
+        c.gate = u < 0.75 ? GateMode::softplus : GateMode::log_decay;  // else: the decays passed directly
+      else
+        c.gate = u < 0.5 ? GateMode::log_decay : (u < 0.75 ? GateMode::softplus : GateMode::lower_bound);
+      c.dt_bias = pick.chance(0.7);
+      const double s = pick.uniform();
+      if (s < 0.15)
+        c.scale = 1.0f;
+      else if (s < 0.3)
+        c.scale = 0.1f;
+      bc.d_final_state = pick.chance(0.6);
+      cases.push_back(bc);
+      ++i;
+    }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, BackwardParity, ::testing::ValuesIn(grid_cases()), case_name);
+
+// Every fused option in every combination: softplus and lower-bound gates with and without dt_bias,
+// beta as given / sigmoid / 2*sigmoid, with and without the q/k L2 norm. Small shapes, varied regimes.
+std::vector<BwdCase> fused_cases() {
+  const GateMode gates[] = {GateMode::softplus, GateMode::lower_bound};
+  const BetaMode betas[] = {BetaMode::given, BetaMode::sigmoid, BetaMode::sigmoid_x2};
+  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::spike, Regime::zero, Regime::unbounded};
+  std::vector<BwdCase> cases;
+  int i = 0;
+  for (GateMode gate : gates)
+    for (bool bias : {true, false})
+      for (BetaMode beta : betas)
+        for (bool l2 : {false, true}) {
+          BwdCase bc;
+          Case& c = bc.c;
+          c.gate = gate;
+          c.dt_bias = bias;
+          c.beta = beta;
+          c.qk_l2norm = l2;
+          c.regime = regimes[i % 5];
+          if (gate == GateMode::lower_bound) c.lower_bound = i % 4 == 1 ? -1.0f : -5.0f;
+          c.B = 1 + i % 2;
+          c.T = 66 + 3 * i;
+          c.H = 1 + (i / 2) % 2;
+          c.HV = c.H * (i % 3 == 0 ? 1 : 2);
+          c.K = i % 2 ? 60 : 16;
+          c.V = i % 2 ? 16 : 100;
+          c.layout = (i / 3) % 2 ? StateLayout::v_first : StateLayout::k_first;
+          c.initial_state = i % 3 != 1;
+          c.dtype = i % 3 == 2 ? DType::bf16 : DType::f32;
+          bc.d_final_state = i % 4 < 2;
+          c.seed = 1200 + static_cast<uint64_t>(i);
+          cases.push_back(bc);
+          ++i;
+        }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fused, BackwardParity, ::testing::ValuesIn(fused_cases()), case_name);
+
+// Both state layouts, with and without an initial state and a final-state gradient, in both dtypes.
+std::vector<BwdCase> state_cases() {
+  std::vector<BwdCase> cases;
+  int i = 0;
+  for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first})
+    for (bool h0 : {false, true})
+      for (bool dfin : {false, true})
+        for (DType dt : {DType::f32, DType::bf16}) {
+          BwdCase bc;
+          Case& c = bc.c;
+          c.layout = layout;
+          c.initial_state = h0;
+          bc.d_final_state = dfin;
+          c.dtype = dt;
+          c.B = 2;
+          c.T = 100 + i;
+          c.H = 1;
+          c.HV = 2;
+          c.K = i % 2 ? 100 : 60;
+          c.V = i % 2 ? 16 : 60;
+          c.regime = i % 3 == 0 ? Regime::strong : Regime::mild;
+          c.seed = 1300 + static_cast<uint64_t>(i);
+          cases.push_back(bc);
+          ++i;
+        }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(States, BackwardParity, ::testing::ValuesIn(state_cases()), case_name);
+
+// The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
+std::vector<BwdCase> lower_bound_cases() {
+  std::vector<BwdCase> cases;
+  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
+  const float bounds[] = {-5.0f, -1.0f, -20.0f, -5.0f, -10.0f};
+  for (int i = 0; i < 5; ++i) {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.regime = regimes[i];
+    c.gate = GateMode::lower_bound;
+    c.lower_bound = bounds[i];
+    c.T = 97 + 13 * i;
+    c.H = 1;
+    c.HV = 2;
+    c.K = i % 2 ? 60 : 128;
+    c.V = i % 2 ? 100 : 16;
+    c.initial_state = i % 2 == 0;
+    c.layout = i % 3 ? StateLayout::k_first : StateLayout::v_first;
+    c.dt_bias = i != 2;
+    c.qk_l2norm = i % 2 == 1;
+    c.beta = static_cast<BetaMode>(i % 3);
+    c.dtype = i == 4 ? DType::bf16 : DType::f32;
+    c.seed = 1400 + static_cast<uint64_t>(i);
+    bc.d_final_state = i != 1;
+    cases.push_back(bc);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(LowerBoundGate, BackwardParity, ::testing::ValuesIn(lower_bound_cases()), case_name);
+
+// Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64.
+std::vector<BwdCase> varlen_cases() {
+  std::vector<BwdCase> cases;
+  {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {1, 63, 130, 64, 17};
+    c.H = 2;
+    c.HV = 4;
+    c.K = 60;
+    c.V = 100;
+    c.initial_state = true;
+    c.seed = 1500;
+    cases.push_back(bc);
+    c.layout = StateLayout::v_first;
+    c.regime = Regime::spike;
+    c.K = 128;
+    c.V = 128;
+    c.H = 1;
+    c.HV = 1;
+    c.seed = 1501;
+    bc.d_final_state = false;
+    cases.push_back(bc);
+  }
+  {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {1, 63, 0, 130, 64, 17, 0};
+    c.H = 1;
+    c.HV = 2;
+    c.K = 100;
+    c.V = 60;
+    c.regime = Regime::unbounded;
+    c.gate = GateMode::softplus;
+    c.qk_l2norm = true;
+    c.beta = BetaMode::sigmoid;
+    c.initial_state = true;
+    c.layout = StateLayout::v_first;
+    c.seed = 1502;
+    cases.push_back(bc);
+  }
+  {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {200, 1, 65, 128};
+    c.H = 2;
+    c.HV = 2;
+    c.K = 16;
+    c.V = 128;
+    c.regime = Regime::strong;
+    c.dtype = DType::bf16;
+    c.initial_state = true;
+    c.beta = BetaMode::sigmoid_x2;
+    c.seed = 1503;
+    cases.push_back(bc);
+  }
+  {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {0, 16, 15, 1, 33};
+    c.H = 1;
+    c.HV = 4;
+    c.K = 128;
+    c.V = 16;
+    c.regime = Regime::zero;
+    c.gate = GateMode::lower_bound;
+    c.initial_state = false;
+    c.seed = 1504;
+    bc.d_final_state = false;
+    cases.push_back(bc);
+  }
+  {  // bf16 with fused gates, GVA and an empty sequence first
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {0, 129, 1, 64, 50};
+    c.H = 2;
+    c.HV = 4;
+    c.K = 16;
+    c.V = 60;
+    c.regime = Regime::unbounded;
+    c.gate = GateMode::softplus;
+    c.beta = BetaMode::sigmoid;
+    c.dtype = DType::bf16;
+    c.initial_state = true;
+    c.seed = 1505;
+    cases.push_back(bc);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, BackwardParity, ::testing::ValuesIn(varlen_cases()), case_name);
+
+// Non-contiguous (permuted, padded) inputs and gradient outputs, mixed dtypes, every fused option at
+// once, no tokens at all.
+std::vector<BwdCase> layout_cases() {
+  std::vector<BwdCase> cases;
+  {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {70, 1, 64, 30};
+    c.H = 2;
+    c.HV = 4;
+    c.K = 60;
+    c.V = 100;
+    c.strided = true;
+    c.initial_state = true;
+    c.qk_l2norm = true;
+    c.gate = GateMode::softplus;
+    c.beta = BetaMode::sigmoid;
+    c.seed = 1600;
+    cases.push_back(bc);
+  }
+  {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.B = 3;
+    c.T = 81;
+    c.H = 1;
+    c.HV = 2;
+    c.K = 128;
+    c.V = 60;
+    c.strided = true;
+    c.dtype = DType::bf16;
+    c.layout = StateLayout::v_first;
+    c.regime = Regime::spike;
+    c.gate = GateMode::lower_bound;
+    c.beta = BetaMode::sigmoid_x2;
+    c.initial_state = true;
+    c.seed = 1601;
+    cases.push_back(bc);
+  }
+  {  // bf16 activations with fp32 gates and betas (what fla passes)
+    BwdCase bc;
+    Case& c = bc.c;
+    c.B = 2;
+    c.T = 100;
+    c.H = 2;
+    c.HV = 4;
+    c.K = 100;
+    c.V = 100;
+    c.dtype = DType::bf16;
+    c.gate_dtype = DType::f32;
+    c.regime = Regime::strong;
+    c.initial_state = true;
+    c.seed = 1602;
+    cases.push_back(bc);
+    c.dtype = DType::f32;  // and the reverse
+    c.gate_dtype = DType::bf16;
+    c.seed = 1603;
+    bc.d_final_state = false;
+    cases.push_back(bc);
+  }
+  {  // every fused option at once, Kimi's shape per head
+    BwdCase bc;
+    Case& c = bc.c;
+    c.B = 1;
+    c.T = 130;
+    c.H = 2;
+    c.HV = 4;
+    c.K = 128;
+    c.V = 128;
+    c.regime = Regime::unbounded;
+    c.gate = GateMode::softplus;
+    c.qk_l2norm = true;
+    c.beta = BetaMode::sigmoid_x2;
+    c.initial_state = true;
+    c.layout = StateLayout::v_first;
+    c.scale = 0.1f;
+    c.seed = 1604;
+    cases.push_back(bc);
+  }
+  {  // no tokens at all: d_initial_state is d_final_state, every other gradient is empty
+    BwdCase bc;
+    Case& c = bc.c;
+    c.B = 2;
+    c.T = 0;
+    c.H = 1;
+    c.HV = 2;
+    c.K = 16;
+    c.V = 60;
+    c.initial_state = true;
+    c.gate = GateMode::softplus;
+    c.seed = 1605;
+    cases.push_back(bc);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, BackwardParity, ::testing::ValuesIn(layout_cases()), case_name);
+
+// Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
+std::vector<BwdCase> head_dim_cases() {
+  const int64_t kv[][2] = {{1, 1}, {256, 256}, {7, 33}, {256, 3}, {3, 256}, {129, 127}};
+  std::vector<BwdCase> cases;
+  for (int i = 0; i < 6; ++i) {
+    BwdCase bc;
+    Case& c = bc.c;
+    c.K = kv[i][0];
+    c.V = kv[i][1];
+    c.B = 1 + i % 2;
+    c.T = 70 + 11 * i;
+    c.HV = 1 + i % 2;
+    c.regime = i % 2 ? Regime::strong : Regime::mild;
+    c.initial_state = i != 2;
+    c.layout = i % 3 == 1 ? StateLayout::v_first : StateLayout::k_first;
+    c.qk_l2norm = i >= 3;
+    c.gate = i == 5 ? GateMode::softplus : GateMode::log_decay;
+    c.dtype = i == 4 ? DType::bf16 : DType::f32;
+    c.seed = 1800 + static_cast<uint64_t>(i);
+    bc.d_final_state = i != 3;
+    cases.push_back(bc);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity, ::testing::ValuesIn(head_dim_cases()), case_name);
+
+// ---- long sequence, determinism -----------------------------------------------------------------
+
+// One long sequence under Kimi's unbounded gate: error must not grow along it.
+TEST(BackwardLong, T4096OneHead) {
+  BwdCase bc;
+  Case& c = bc.c;
+  c.T = 4096;
+  c.K = 128;
+  c.V = 128;
+  c.regime = Regime::unbounded;
+  c.gate = GateMode::softplus;
+  c.initial_state = true;
+  c.seed = 1700;
+  check_both_kernels(bc);
+}
+
+// Bitwise identical gradients whatever the thread count, for both kernels (and both ways of getting
+// the chunk states): GVA group sums, varlen batches, the dA_log / ddt_bias reductions over tokens.
+std::vector<BwdCase> determinism_cases() {
+  std::vector<BwdCase> cases;
+  {  // varlen, GVA over two key heads, softplus gate with bias, everything fused
+    BwdCase bc;
+    Case& c = bc.c;
+    c.lengths = {150, 1, 129, 0, 77};
+    c.H = 2;
+    c.HV = 4;
+    c.K = 60;
+    c.V = 100;
+    c.initial_state = true;
+    c.gate = GateMode::softplus;
+    c.qk_l2norm = true;
+    c.beta = BetaMode::sigmoid;
+    c.seed = 1900;
+    cases.push_back(bc);
+  }
+  {  // batch, GVA 4:1, lower-bound gate, bf16, v_first
+    BwdCase bc;
+    Case& c = bc.c;
+    c.B = 3;
+    c.T = 150;
+    c.H = 1;
+    c.HV = 4;
+    c.K = 128;
+    c.V = 16;
+    c.regime = Regime::spike;
+    c.gate = GateMode::lower_bound;
+    c.beta = BetaMode::sigmoid_x2;
+    c.dtype = DType::bf16;
+    c.layout = StateLayout::v_first;
+    c.seed = 1901;
+    bc.d_final_state = false;
+    cases.push_back(bc);
+  }
+  return cases;
+}
+
+TEST(BackwardDeterminism, ThreadCounts) {
+  for (const BwdCase& bc : determinism_cases()) {
+    SCOPED_TRACE(bc.name());
+    Data d;
+    make_data(bc.c, d);
+    Cotangents ct;
+    make_cotangents(d, bc.d_final_state, bc.c.seed + 1000, ct);
+    const ForwardRun fwd = run_forward(Kernel::chunk, d, RunOptions{1});
+    const float* states = data_or_null(fwd.out.chunk_states);
+    struct Variant {
+      const char* name;
+      Kernel kernel;
+      const float* states;
+    };
+    for (const Variant& v :
+         {Variant{"chunk", Kernel::chunk, nullptr}, Variant{"chunk+states", Kernel::chunk, states},
+          Variant{"recurrent", Kernel::recurrent, nullptr}}) {
+      SCOPED_TRACE(v.name);
+      const BackwardRun one = run_backward(v.kernel, d, ct, RunOptions{1}, v.states);
+      for (int threads : {2, 3}) {
+        SCOPED_TRACE(threads);
+        const BackwardRun many = run_backward(v.kernel, d, ct, RunOptions{threads}, v.states);
+        EXPECT_EQ(differing_gradients(one.out, many.out), "") << "gradients depend on the thread count";
+      }
+      const BackwardRun again = run_backward(v.kernel, d, ct, RunOptions{2}, v.states);
+      EXPECT_EQ(differing_gradients(one.out, again.out), "") << "run to run";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kda::test
