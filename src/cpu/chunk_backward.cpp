@@ -137,7 +137,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   float* Vn = bw.Vn.data();
   for (int64_t i = 0; i < n; ++i) std::copy(w.U() + i * ldx, w.U() + i * ldx + Vp, Vn + i * Vp);
   gemm(n, Vp, K, w.W(), ldx, 1, S, Vp, Vn, Vp, Accumulate::subtract);
-  std::fill(bw.VnT.data(), bw.VnT.data() + Vp * C, 0.0f);
+  if (n < C) std::fill(bw.VnT.data(), bw.VnT.data() + Vp * C, 0.0f);  // columns past n stay zero
   transpose(Vn, Vp, n, V, bw.VnT.data(), C);
   float* dO = bw.dO.data();
   for (int64_t i = 0; i < n; ++i)
@@ -219,7 +219,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
 
   // dL = -stril(Y X^T) with X = [W | U].
   float* dL = bw.dL.data();
-  std::fill(bw.XT.data(), bw.XT.data() + ldx * C, 0.0f);
+  if (n < C) std::fill(bw.XT.data(), bw.XT.data() + ldx * C, 0.0f);
   transpose(w.X.data(), ldx, n, ldx, bw.XT.data(), C);
   for (int64_t s = 0; s < n; s += kSub) {
     const int64_t e = std::min(s + kSub, n);
@@ -460,8 +460,8 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   for (int64_t c = chunks - 1; c >= 0; --c) {
     const int64_t t0 = c * C;
     const int64_t n = std::min(C, seq.length - t0);
-    std::fill(bw.dq_group.data(), bw.dq_group.data() + C * Kp, 0.0f);
-    std::fill(bw.dk_group.data(), bw.dk_group.data() + C * Kp, 0.0f);
+    std::fill(bw.dq_group.data(), bw.dq_group.data() + n * Kp, 0.0f);
+    std::fill(bw.dk_group.data(), bw.dk_group.data() + n * Kp, 0.0f);
     for (int64_t m = 0; m < group; ++m)
       chunk_step_backward(plan, in, out, seq, h * group + m, m, t0, n, bw.state(m, c, chunks),
                           bw.dS.data() + m * K * Vp, bw);
@@ -470,8 +470,8 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       float* dqi = bw.dq_group.data() + i * Kp;
       float* dki = bw.dk_group.data() + i * Kp;
       if (plan.problem.qk_l2norm) {
-        core::l2norm_backward(bw.w.q.data() + i * Kp, bw.w.q_rstd[i], dqi, K);
-        core::l2norm_backward(bw.w.k.data() + i * Kp, bw.w.k_rstd[i], dki, K);
+        l2norm_backward_row(bw.w.q.data() + i * Kp, bw.w.q_rstd[i], dqi, Kp);
+        l2norm_backward_row(bw.w.k.data() + i * Kp, bw.w.k_rstd[i], dki, Kp);
       }
       const int64_t t = seq.first_token + t0 + i;
       core::store_row(out.dq, seq.batch_index, t, h, K, dqi);

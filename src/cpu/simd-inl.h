@@ -222,6 +222,16 @@ HWY_INLINE float l2norm_row(float* x, int64_t Kp) {
   return rstd;
 }
 
+// Backward of l2norm_row, in place over dy: dx = rstd * (dy - (dy . y) y), y the normalised row.
+HWY_INLINE void l2norm_backward_row(const float* y, float rstd, float* dy, int64_t Kp) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const VF dot_yy = hn::Set(d, dot(dy, y, Kp));
+  const VF r = hn::Set(d, rstd);
+  for (int64_t i = 0; i < Kp; i += L)
+    hn::StoreU(hn::Mul(r, hn::NegMulAdd(dot_yy, hn::LoadU(d, y + i), hn::LoadU(d, dy + i))), d, dy + i);
+}
+
 // Loads rows [t_begin, t_begin + n) (relative to the sequence start) of value head hv.
 inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
                             int64_t hv, int64_t t_begin, int64_t n, const ChunkRows& rows) {
