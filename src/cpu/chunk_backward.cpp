@@ -206,15 +206,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     const int64_t e = std::min(s + kSub, n);
     if (e < n)
       gemm(e - s, ldx, n - e, Lm + e * C + s, 1, C, Y + e * ldx, ldx, Y + s * ldx, ldx, Accumulate::subtract);
-    for (int64_t i = e - 2; i >= s; --i) {
-      float* yi = Y + i * ldx;
-      for (int64_t j = i + 1; j < e; ++j) {
-        const VF lji = hn::Set(d, Lm[j * C + i]);
-        const float* yj = Y + j * ldx;
-        for (int64_t c = 0; c < ldx; c += L)
-          hn::StoreU(hn::NegMulAdd(lji, hn::LoadU(d, yj + c), hn::LoadU(d, yi + c)), d, yi + c);
-      }
-    }
+    for (int64_t i = e - 2; i >= s; --i) subtract_combination(Y + i * ldx, Y, ldx, i + 1, e, Lm + i, C, ldx);
   }
 
   // dL = -stril(Y X^T) with X = [W | U].
@@ -264,43 +256,36 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   float* Z = bw.Z.data();
   for (float* b : {dQi, r, dKcol, dgp, ccol}) std::fill(b, b + n * Kp, 0.0f);
   std::fill(Z, Z + C / kSub * Kp, 0.0f);
-  float* E = w.row.data();
   float* crow = bw.crow.data();
   for (int64_t s = 0; s < n; s += kSub) {
     const int64_t e = std::min(s + kSub, n);
-    // Diagonal block, per element: E_ij = prod_{t=j+1..i} exp(g_t).
+    // Diagonal block, per element: E_ij = prod_{t=j+1..i} exp(g_t). One vector of channels at a time
+    // with j innermost, so E, dQi_i and r_i stay in registers.
     for (int64_t i = s; i < e; ++i) {
       const float* qi = w.q.data() + i * Kp;
       const float* ki = w.k.data() + i * Kp;
-      float* dqi = dQi + i * Kp;
-      float* ri = r + i * Kp;
       const VF bi = hn::Set(d, w.beta[i]);
-      {  // j = i: E = 1, only the P term.
-        const VF p = hn::Set(d, dP[i * C + i]);
-        float* dkc = dKcol + i * Kp;
-        for (int64_t c = 0; c < Kp; c += L) {
-          hn::StoreU(hn::MulAdd(p, hn::LoadU(d, ki + c), hn::LoadU(d, dqi + c)), d, dqi + c);
-          hn::StoreU(hn::MulAdd(p, hn::LoadU(d, qi + c), hn::LoadU(d, dkc + c)), d, dkc + c);
-        }
-      }
-      for (int64_t c = 0; c < Kp; c += L) hn::StoreU(hn::Set(d, 1.0f), d, E + c);
-      for (int64_t j = i - 1; j >= s; --j) {
-        const float* a = w.eg.data() + (j + 1) * Kp;
-        const float* kj = w.k.data() + j * Kp;
-        float* dkc = dKcol + j * Kp;
-        const VF p = hn::Set(d, dP[i * C + j]);
-        const VF l = hn::Set(d, dL[i * C + j]);
-        const VF lb = hn::Mul(l, bi);
-        for (int64_t c = 0; c < Kp; c += L) {
-          const VF ec = hn::Mul(hn::LoadU(d, E + c), hn::LoadU(d, a + c));
-          hn::StoreU(ec, d, E + c);
-          const VF kje = hn::Mul(hn::LoadU(d, kj + c), ec);
-          hn::StoreU(hn::MulAdd(p, kje, hn::LoadU(d, dqi + c)), d, dqi + c);
-          hn::StoreU(hn::MulAdd(l, kje, hn::LoadU(d, ri + c)), d, ri + c);
-          const VF col = hn::MulAdd(p, hn::LoadU(d, qi + c), hn::Mul(lb, hn::LoadU(d, ki + c)));
-          hn::StoreU(hn::MulAdd(col, ec, hn::LoadU(d, dkc + c)), d, dkc + c);
+      const VF p_ii = hn::Set(d, dP[i * C + i]);
+      for (int64_t c = 0; c < Kp; c += L) {
+        const VF qc = hn::LoadU(d, qi + c), kc = hn::LoadU(d, ki + c);
+        VF dq_acc = hn::MulAdd(p_ii, kc, hn::LoadU(d, dQi + i * Kp + c));  // j = i: E = 1, P term only
+        VF r_acc = hn::LoadU(d, r + i * Kp + c);
+        hn::StoreU(hn::MulAdd(p_ii, qc, hn::LoadU(d, dKcol + i * Kp + c)), d, dKcol + i * Kp + c);
+        VF ec = hn::Set(d, 1.0f);
+        for (int64_t j = i - 1; j >= s; --j) {
+          ec = hn::Mul(ec, hn::LoadU(d, w.eg.data() + (j + 1) * Kp + c));
+          const VF p = hn::Set(d, dP[i * C + j]);
+          const VF l = hn::Set(d, dL[i * C + j]);
+          const VF kje = hn::Mul(hn::LoadU(d, w.k.data() + j * Kp + c), ec);
+          dq_acc = hn::MulAdd(p, kje, dq_acc);
+          r_acc = hn::MulAdd(l, kje, r_acc);
+          const VF col = hn::MulAdd(p, qc, hn::Mul(hn::Mul(l, bi), kc));
+          float* dkc = dKcol + j * Kp + c;
+          hn::StoreU(hn::MulAdd(col, ec, hn::LoadU(d, dkc)), d, dkc);
           hn::StoreU(hn::Mul(col, kje), d, crow + (j - s) * Kp + c);  // the pair's own term c_ij
         }
+        hn::StoreU(dq_acc, d, dQi + i * Kp + c);
+        hn::StoreU(r_acc, d, r + i * Kp + c);
       }
       // Pairs (i, j < t) straddle every t in (j, i]: dgp_t += sum_{s <= j < t} c_ij.
       for (int64_t c = 0; c < Kp; c += L) {
@@ -431,10 +416,8 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   }
 
   // Group sums of dq, dk (fixed member order), and the new dS.
-  for (int64_t i = 0; i < n * Kp; ++i) {
-    bw.dq_group[i] += dq[i];
-    bw.dk_group[i] += dk[i];
-  }
+  add_rows(dq, bw.dq_group.data(), n * Kp);
+  add_rows(dk, bw.dk_group.data(), n * Kp);
   std::copy(dS_in, dS_in + K * Vp, dS);
 }
 

@@ -179,8 +179,6 @@ inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
 // substitution, one 16-row block at a time (a product with the solved rows, then the block itself).
 inline void solve_wy(ChunkWork& w, int64_t n) {
   const int64_t Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
-  const DF d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   float* X = w.X.data();
   for (int64_t i = 0; i < n; ++i) {
     scale_row(w.beta[i], w.Kg.data() + i * Kp, X + i * ldx, Kp);
@@ -190,15 +188,7 @@ inline void solve_wy(ChunkWork& w, int64_t n) {
   for (int64_t s = 0; s < n; s += kSub) {
     const int64_t e = std::min(s + kSub, n);
     if (s > 0) gemm(e - s, ldx, s, Lm + s * C, C, 1, X, ldx, X + s * ldx, ldx, Accumulate::subtract);
-    for (int64_t i = s + 1; i < e; ++i) {
-      float* xi = X + i * ldx;
-      for (int64_t j = s; j < i; ++j) {
-        const VF lij = hn::Set(d, Lm[i * C + j]);
-        const float* xj = X + j * ldx;
-        for (int64_t c = 0; c < ldx; c += L)
-          hn::StoreU(hn::NegMulAdd(lij, hn::LoadU(d, xj + c), hn::LoadU(d, xi + c)), d, xi + c);
-      }
-    }
+    for (int64_t i = s + 1; i < e; ++i) subtract_combination(X + i * ldx, X, ldx, s, i, Lm + i * C, 1, ldx);
   }
 }
 

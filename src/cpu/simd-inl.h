@@ -201,6 +201,40 @@ inline void gate_row(GateMode mode, float a, float lower_bound, const float* bia
     out[i] = core::gate_forward<float>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0f, lower_bound);
 }
 
+// x -= sum_{j in [j0, j1)} coef[j * coef_stride] * rows[j * ld] over n floats (n a multiple of the
+// vector length): the triangular solves' inner step. x is held in registers, 8 vectors at a time,
+// and stored once per block rather than once per j.
+inline void subtract_combination(float* HWY_RESTRICT x, const float* rows, int64_t ld, int64_t j0, int64_t j1,
+                                 const float* coef, int64_t coef_stride, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  constexpr int kBlock = 8;
+  int64_t c = 0;
+  for (; c + kBlock * L <= n; c += kBlock * L) {
+    VF acc[kBlock];
+    for (int v = 0; v < kBlock; ++v) acc[v] = hn::LoadU(d, x + c + v * L);
+    for (int64_t j = j0; j < j1; ++j) {
+      const VF cj = hn::Set(d, coef[j * coef_stride]);
+      const float* row = rows + j * ld + c;
+      for (int v = 0; v < kBlock; ++v) acc[v] = hn::NegMulAdd(cj, hn::LoadU(d, row + v * L), acc[v]);
+    }
+    for (int v = 0; v < kBlock; ++v) hn::StoreU(acc[v], d, x + c + v * L);
+  }
+  for (; c < n; c += L) {
+    VF acc = hn::LoadU(d, x + c);
+    for (int64_t j = j0; j < j1; ++j)
+      acc = hn::NegMulAdd(hn::Set(d, coef[j * coef_stride]), hn::LoadU(d, rows + j * ld + c), acc);
+    hn::StoreU(acc, d, x + c);
+  }
+}
+
+// y += x over n floats (n a multiple of the vector length).
+HWY_INLINE void add_rows(const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(hn::Add(hn::LoadU(d, y + i), hn::LoadU(d, x + i)), d, y + i);
+}
+
 // ---- gathering a chunk ---------------------------------------------------------------------------
 
 // Tiles for up to kChunkSize rows of one (sequence, value head), pre-processed. Rows are padded to
