@@ -426,15 +426,22 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t group = plan.group, K = plan.K, Kp = bw.Kp, Vp = bw.Vp;
   const int64_t chunks = (seq.length + C - 1) / C;
+  // The caller's chunk states are used in place when they already have the working tile's layout
+  // (K-first, V a multiple of the padding); otherwise they are copied, or recomputed when absent.
+  const bool states_in_place = in.chunk_states != nullptr && !plan.v_first() && plan.V == Vp;
+  auto state = [&](int64_t m, int64_t c) -> const float* {
+    if (states_in_place) return in.chunk_states + plan.state_offset(seq.first_chunk + c, h * group + m);
+    return bw.state(m, c, chunks);
+  };
   const size_t need = static_cast<size_t>(group * std::max<int64_t>(chunks, 1) * K * Vp);
-  if (bw.states.size() < need) bw.states.reset(need);
+  if (!states_in_place && bw.states.size() < need) bw.states.reset(need);
   for (int64_t m = 0; m < group; ++m) {
     const int64_t hv = h * group + m;
-    if (in.chunk_states != nullptr) {
+    if (in.chunk_states == nullptr) {
+      if (chunks > 0) recompute_states(plan, in.fwd, seq, n_seq, hv, bw.state(m, 0, chunks), bw);
+    } else if (!states_in_place) {
       for (int64_t c = 0; c < chunks; ++c)
         load_state(plan, in.chunk_states, seq.first_chunk + c, hv, bw.state(m, c, chunks), Vp);
-    } else if (chunks > 0) {
-      recompute_states(plan, in.fwd, seq, n_seq, hv, bw.state(m, 0, chunks), bw);
     }
     load_state(plan, in.d_final_state, n_seq, hv, bw.dS.data() + m * K * Vp, Vp);
   }
@@ -446,8 +453,8 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     std::fill(bw.dq_group.data(), bw.dq_group.data() + n * Kp, 0.0f);
     std::fill(bw.dk_group.data(), bw.dk_group.data() + n * Kp, 0.0f);
     for (int64_t m = 0; m < group; ++m)
-      chunk_step_backward(plan, in, out, seq, h * group + m, m, t0, n, bw.state(m, c, chunks),
-                          bw.dS.data() + m * K * Vp, bw);
+      chunk_step_backward(plan, in, out, seq, h * group + m, m, t0, n, state(m, c), bw.dS.data() + m * K * Vp,
+                          bw);
     // Through the q/k L2 norm (w.q, w.k hold the normalised rows of head h, w.*_rstd their scales).
     for (int64_t i = 0; i < n; ++i) {
       float* dqi = bw.dq_group.data() + i * Kp;
