@@ -5,8 +5,12 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
+
+#include "kda/kda.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -16,13 +20,17 @@
 namespace kda::core {
 
 int resolve_num_threads(int requested) {
+  if (requested < 0 || requested > kMaxThreads)
+    throw Error("kda: argument 'num_threads': expected 0 (default) to " + std::to_string(kMaxThreads) +
+                ", got " + std::to_string(requested));
   if (requested > 0) return requested;
   if (const char* env = std::getenv("KDA_NUM_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0) return n;
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n > 0) return static_cast<int>(std::min<long>(n, kMaxThreads));
   }
-  unsigned hw = std::thread::hardware_concurrency();
-  return hw > 0 ? static_cast<int>(hw) : 1;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(std::min<unsigned>(hw, kMaxThreads)) : 1;
 }
 
 namespace {
@@ -54,7 +62,7 @@ class FlushSubnormals {
 
 void parallel_for(int64_t count, int num_threads, const std::function<void(int64_t, int)>& body) {
   if (count <= 0) return;
-  const int workers = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), count));
+  const int workers = num_workers(count, num_threads);
   std::atomic<int64_t> next{0};
   std::exception_ptr error;
   std::mutex error_mutex;
@@ -75,7 +83,13 @@ void parallel_for(int64_t count, int num_threads, const std::function<void(int64
   };
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
-  for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  for (int w = 1; w < workers; ++w) {
+    try {
+      threads.emplace_back(run, w);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the ones running share the items
+    }
+  }
   run(0);
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);

@@ -373,7 +373,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   // dg_t = sum_{i >= t} dG_i + sum_{i < t} kdk_i + dlast + dgp_t, then through the fused gate;
   // dbeta through the sigmoid.
   const Problem& p = plan.problem;
-  const float a_gate = plan.fused_gate() ? std::exp(fin.A_log[hv]) : 0.0f;
+  const double a_gate = plan.fused_gate() ? std::exp(static_cast<double>(fin.A_log[hv])) : 0.0;
   const float* bias = (plan.fused_gate() && fin.dt_bias != nullptr) ? fin.dt_bias + hv * K : nullptr;
   double* dA = &bw.dA_log[static_cast<size_t>(member)];
   double* dbias = bw.ddt_bias.data() + member * K;
@@ -421,20 +421,22 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   std::copy(dS_in, dS_in + K * Vp, dS);
 }
 
+// Whether the caller's chunk states can serve as the working state tiles directly (K-first, V a
+// multiple of the padding); otherwise they are copied, or recomputed when absent.
+bool states_used_in_place(const core::Plan& plan, const BackwardInputs& in) {
+  return in.chunk_states != nullptr && !plan.v_first() && plan.V == padded(plan.V);
+}
+
 void backward_item(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                    int64_t n_seq, int64_t h, BackwardWork& bw) {
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t group = plan.group, K = plan.K, Kp = bw.Kp, Vp = bw.Vp;
   const int64_t chunks = (seq.length + C - 1) / C;
-  // The caller's chunk states are used in place when they already have the working tile's layout
-  // (K-first, V a multiple of the padding); otherwise they are copied, or recomputed when absent.
-  const bool states_in_place = in.chunk_states != nullptr && !plan.v_first() && plan.V == Vp;
+  const bool states_in_place = states_used_in_place(plan, in);
   auto state = [&](int64_t m, int64_t c) -> const float* {
     if (states_in_place) return in.chunk_states + plan.state_offset(seq.first_chunk + c, h * group + m);
     return bw.state(m, c, chunks);
   };
-  const size_t need = static_cast<size_t>(group * std::max<int64_t>(chunks, 1) * K * Vp);
-  if (!states_in_place && bw.states.size() < need) bw.states.reset(need);
   for (int64_t m = 0; m < group; ++m) {
     const int64_t hv = h * group + m;
     if (in.chunk_states == nullptr) {
@@ -476,16 +478,21 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                    int num_threads) {
   const int64_t items = plan.num_sequences() * plan.H;
-  std::vector<std::unique_ptr<BackwardWork>> work(static_cast<size_t>(std::max(num_threads, 1)));
   // Per-item partial sums of the gate parameter gradients, reduced below in a fixed order.
   std::vector<double> dA_parts, dbias_parts;
   if (plan.fused_gate()) {
     dA_parts.assign(static_cast<size_t>(items * plan.group), 0.0);
     dbias_parts.assign(static_cast<size_t>(items * plan.group * plan.K), 0.0);
   }
+  auto work = core::make_workspaces<BackwardWork>(items, num_threads, plan.K, plan.V, plan.group);
+  if (!states_used_in_place(plan, in)) {
+    int64_t longest = 0;
+    for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
+    const int64_t chunks = std::max<int64_t>(1, (longest + C - 1) / C);
+    for (auto& w : work) w->states.reset(static_cast<size_t>(plan.group * chunks * plan.K * w->Vp));
+  }
   core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
     auto& bw = work[static_cast<size_t>(worker)];
-    if (!bw) bw = std::make_unique<BackwardWork>(plan.K, plan.V, plan.group);
     backward_item(plan, in, out, item / plan.H, item % plan.H, *bw);
     if (plan.fused_gate()) {
       std::copy(bw->dA_log.begin(), bw->dA_log.end(), dA_parts.begin() + item * plan.group);

@@ -56,11 +56,10 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                   int num_threads) {
-  std::vector<std::unique_ptr<ForwardWork>> work(static_cast<size_t>(std::max(num_threads, 1)));
-  core::parallel_for(plan.num_sequences() * plan.HV, num_threads, [&](int64_t item, int worker) {
-    auto& w = work[static_cast<size_t>(worker)];
-    if (!w) w = std::make_unique<ForwardWork>(plan.K, plan.V);
-    forward_one(plan, in, out, item / plan.HV, item % plan.HV, *w);
+  const int64_t items = plan.num_sequences() * plan.HV;
+  auto work = core::make_workspaces<ForwardWork>(items, num_threads, plan.K, plan.V);
+  core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
+    forward_one(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)]);
   });
 }
 

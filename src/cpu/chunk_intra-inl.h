@@ -3,10 +3,11 @@
 // and P, and solve (I + L) [W | U] = [diag(beta) K e^G | diag(beta) V].
 // Compiled per Highway target: include after simd-inl.h, inside no namespace.
 //
-// Exactness: every exponential has an argument <= 0. Gate sums are kept in double so that
-// exp(G_i - G_j) is accurate even after a -1000 spike earlier in the chunk; the diagonal 16 x 16
-// blocks use per-element products of exp(g_t) <= 1 (never a split around an anchor), and the
-// off-diagonal blocks are anchored at the first row of the query sub-chunk.
+// Exactness: every exponential has an argument <= 0 that is a direct sum, in double, of the gates it
+// spans (never a difference of long prefix sums), so exp(G_i - G_j) stays accurate next to any
+// decay; the diagonal 16 x 16 blocks use per-element products of exp(g_t) <= 1 (never a split
+// around an anchor), and the off-diagonal blocks are anchored at the first row of the query
+// sub-chunk.
 
 #if defined(KDA_CPU_CHUNK_INTRA_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDA_CPU_CHUNK_INTRA_INL_H_
@@ -27,7 +28,7 @@ inline constexpr int64_t kSub = kSubChunkSize;
 struct ChunkWork {
   int64_t K = 0, V = 0, Kp = 0, Vp = 0, ldx = 0;
   Buffer<float> q, k, v, g, beta, q_rstd, k_rstd;  // gathered rows, see ChunkRows
-  Buffer<double> G;                                // [C][Kp]: inclusive chunk-local cumsum of g
+  Buffer<double> acc;                              // [Kp]: a running sum of gates (see gate_sum)
   Buffer<float> eg;                                // [C][Kp]: exp(g_t)
   Buffer<float> eG;                                // [C][Kp]: exp(G)
   Buffer<float> eGd;                               // [C][Kp]: exp(G_last - G)
@@ -35,23 +36,22 @@ struct ChunkWork {
   Buffer<float> Kg;                                // [C][Kp]: k * exp(G)
   Buffer<float> Kd;                                // [C][Kp]: k * exp(G_last - G)
   Buffer<float> decay_last;                        // [Kp]: exp(G_last)
-  Buffer<float> L, P;       // [C][C]: beta_i k_i.k_j E_ij (j < i); scale q_i.k_j E_ij (j <= i); zero above
-  Buffer<float> X;          // [C][ldx]: [W | U] after solve_wy (ldx = Kp + Vp)
-  Buffer<float> fq;         // [kSub][Kp]: exp(G_i - G_s) of one query sub-chunk (anchored_factors)
-  Buffer<float> fk;         // [C][Kp]: exp(G_s - G_j) for the rows before it
-  Buffer<float> qa, ka;     // [kSub][Kp]: anchored query-side factors of one sub-chunk
-  Buffer<float> kbT;        // [Kp][C]: anchored key-side factors, transposed
-  Buffer<float> row;        // [Kp] scratch
-  Buffer<double> zero_row;  // [Kp] zeros: G of the row before the chunk
+  Buffer<float> L, P;    // [C][C]: beta_i k_i.k_j E_ij (j < i); scale q_i.k_j E_ij (j <= i); zero above
+  Buffer<float> X;       // [C][ldx]: [W | U] after solve_wy (ldx = Kp + Vp)
+  Buffer<float> fq;      // [kSub][Kp]: exp(G_i - G_s) of one query sub-chunk (anchored_factors)
+  Buffer<float> fk;      // [C][Kp]: exp(G_s - G_j) for the rows before it
+  Buffer<float> qa, ka;  // [kSub][Kp]: anchored query-side factors of one sub-chunk
+  Buffer<float> kbT;     // [Kp][C]: anchored key-side factors, transposed
+  Buffer<float> row;     // [Kp] scratch
 
   ChunkWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), ldx(Kp + Vp) {
     q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
     beta.reset(C), q_rstd.reset(C), k_rstd.reset(C);
-    G.reset(C * Kp), eg.reset(C * Kp), eG.reset(C * Kp), eGd.reset(C * Kp), Qe.reset(C * Kp),
-        Kg.reset(C * Kp), Kd.reset(C * Kp);
+    acc.reset(Kp), eg.reset(C * Kp), eG.reset(C * Kp), eGd.reset(C * Kp), Qe.reset(C * Kp), Kg.reset(C * Kp),
+        Kd.reset(C * Kp);
     decay_last.reset(Kp), L.reset(C * C), P.reset(C * C), X.reset(C * ldx);
     fq.reset(kSub * Kp), fk.reset(C * Kp), qa.reset(kSub * Kp), ka.reset(kSub * Kp), kbT.reset(Kp * C),
-        row.reset(Kp), zero_row.reset(Kp);
+        row.reset(Kp);
   }
   ChunkRows rows() {
     return {q.data(), k.data(), v.data(), g.data(), beta.data(), q_rstd.data(), k_rstd.data()};
@@ -60,14 +60,25 @@ struct ChunkWork {
   float* U() const { return X.data() + Kp; }
 };
 
-// out[d] = exp(a[d] - b[d]) for d < n (n a multiple of kPad); the differences are taken in double.
-// Callers guarantee a <= b elementwise (a later or equal prefix of non-positive gates).
-HWY_INLINE void exp_of_difference(const double* a, const double* b, float* out, int64_t n) {
+// Every exponent below is a direct sum of the gates it spans, accumulated in double from its anchor
+// row, never the difference of two long prefix sums: after a decay of -1e14 on one token such a
+// difference would keep only ~0.01 of absolute precision for the tokens after it.
+
+// acc[d] += g[d] over n floats (n a multiple of kPad).
+HWY_INLINE void gate_sum(double* acc, const float* g, int64_t n) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> dh;
   const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
   for (int64_t i = 0; i < n; i += Ld)
-    hn::StoreU(hn::DemoteTo(dh, hn::Sub(hn::LoadU(dd, a + i), hn::LoadU(dd, b + i))), dh, out + i);
+    hn::StoreU(hn::Add(hn::LoadU(dd, acc + i), hn::PromoteTo(dd, hn::LoadU(dh, g + i))), dd, acc + i);
+}
+
+// out[d] = exp(acc[d]) for a row of gate sums (all <= 0).
+HWY_INLINE void exp_of_sum(const double* acc, float* out, int64_t n) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dh;
+  const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
+  for (int64_t i = 0; i < n; i += Ld) hn::StoreU(hn::DemoteTo(dh, hn::LoadU(dd, acc + i)), dh, out + i);
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   for (int64_t i = 0; i < n; i += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, out + i)), d, out + i);
@@ -82,33 +93,32 @@ HWY_INLINE void mul_rows(const float* x, const float* f, float s, float* y, int6
     hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, x + i), hn::LoadU(d, f + i))), d, y + i);
 }
 
-// Gate cumsum (double), exp(g), exp(G), exp(G_last - G) and the decay factors Qe, Kg, Kd,
-// decay_last for rows [0, n).
+// exp(g), exp(G), exp(G_last - G) and the decay factors Qe, Kg, Kd, decay_last for rows [0, n),
+// G being the inclusive chunk-local cumsum of g.
 inline void build_decay_factors(ChunkWork& w, int64_t n, float scale) {
   const int64_t Kp = w.Kp;
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  for (int64_t i = 0; i < n; ++i) {
+  double* acc = w.acc.data();
+  std::fill(acc, acc + Kp, 0.0);
+  for (int64_t i = 0; i < n; ++i) {  // exp(G_i) = exp(g_0 + ... + g_i)
     const float* g = w.g.data() + i * Kp;
-    double* G = w.G.data() + i * Kp;
-    const double* Gprev = i > 0 ? G - Kp : nullptr;
-    for (int64_t c = 0; c < Kp; ++c) G[c] = (Gprev ? Gprev[c] : 0.0) + static_cast<double>(g[c]);
+    gate_sum(acc, g, Kp);
+    exp_of_sum(acc, w.eG.data() + i * Kp, Kp);
     float* eg = w.eg.data() + i * Kp;
     for (int64_t c = 0; c < Kp; c += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + c)), d, eg + c);
   }
-  const double* zero = w.zero_row.data();
-  const double* Glast = w.G.data() + (n - 1) * Kp;
-  for (int64_t i = 0; i < n; ++i) {
-    const double* Gi = w.G.data() + i * Kp;
-    float* eG = w.eG.data() + i * Kp;
-    float* eGd = w.eGd.data() + i * Kp;
-    exp_of_difference(Gi, zero, eG, Kp);
-    exp_of_difference(Glast, Gi, eGd, Kp);
-    mul_rows(w.q.data() + i * Kp, eG, scale, w.Qe.data() + i * Kp, Kp);
-    mul_rows(w.k.data() + i * Kp, eG, 1.0f, w.Kg.data() + i * Kp, Kp);
-    mul_rows(w.k.data() + i * Kp, eGd, 1.0f, w.Kd.data() + i * Kp, Kp);
+  std::copy(w.eG.data() + (n - 1) * Kp, w.eG.data() + n * Kp, w.decay_last.data());
+  std::fill(acc, acc + Kp, 0.0);
+  for (int64_t i = n - 1; i >= 0; --i) {  // exp(G_last - G_i) = exp(g_{i+1} + ... + g_last)
+    exp_of_sum(acc, w.eGd.data() + i * Kp, Kp);
+    gate_sum(acc, w.g.data() + i * Kp, Kp);
   }
-  exp_of_difference(Glast, zero, w.decay_last.data(), Kp);
+  for (int64_t i = 0; i < n; ++i) {
+    mul_rows(w.q.data() + i * Kp, w.eG.data() + i * Kp, scale, w.Qe.data() + i * Kp, Kp);
+    mul_rows(w.k.data() + i * Kp, w.eG.data() + i * Kp, 1.0f, w.Kg.data() + i * Kp, Kp);
+    mul_rows(w.k.data() + i * Kp, w.eGd.data() + i * Kp, 1.0f, w.Kd.data() + i * Kp, Kp);
+  }
 }
 
 // Factors of the off-diagonal blocks of query sub-chunk [s, e), anchored at its first row s:
@@ -116,9 +126,17 @@ inline void build_decay_factors(ChunkWork& w, int64_t n, float scale) {
 // E_ij = fq[i - s] * fk[j] for every i >= s > j.
 inline void anchored_factors(ChunkWork& w, int64_t s, int64_t e) {
   const int64_t Kp = w.Kp;
-  const double* Gs = w.G.data() + s * Kp;
-  for (int64_t i = s; i < e; ++i) exp_of_difference(w.G.data() + i * Kp, Gs, w.fq.data() + (i - s) * Kp, Kp);
-  for (int64_t j = 0; j < s; ++j) exp_of_difference(Gs, w.G.data() + j * Kp, w.fk.data() + j * Kp, Kp);
+  double* acc = w.acc.data();
+  std::fill(acc, acc + Kp, 0.0);
+  for (int64_t i = s; i < e; ++i) {  // g_{s+1} + ... + g_i
+    if (i > s) gate_sum(acc, w.g.data() + i * Kp, Kp);
+    exp_of_sum(acc, w.fq.data() + (i - s) * Kp, Kp);
+  }
+  std::fill(acc, acc + Kp, 0.0);
+  for (int64_t j = s - 1; j >= 0; --j) {  // g_{j+1} + ... + g_s
+    gate_sum(acc, w.g.data() + (j + 1) * Kp, Kp);
+    exp_of_sum(acc, w.fk.data() + j * Kp, Kp);
+  }
 }
 
 // L and P for rows [0, n): diagonal sub-blocks per element, off-diagonal ones by anchored products.
@@ -181,8 +199,12 @@ inline void solve_wy(ChunkWork& w, int64_t n) {
   const int64_t Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
   float* X = w.X.data();
   for (int64_t i = 0; i < n; ++i) {
-    scale_row(w.beta[i], w.Kg.data() + i * Kp, X + i * ldx, Kp);
-    scale_row(w.beta[i], w.v.data() + i * Vp, X + i * ldx + Kp, Vp);
+    float* xi = X + i * ldx;
+    scale_row(w.beta[i], w.Kg.data() + i * Kp, xi, Kp);
+    scale_row(w.beta[i], w.v.data() + i * Vp, xi + Kp, Vp);
+    // Padding stays zero even for a NaN beta (0 * NaN): products over whole rows read it.
+    std::fill(xi + w.K, xi + Kp, 0.0f);
+    std::fill(xi + Kp + w.V, xi + ldx, 0.0f);
   }
   const float* Lm = w.L.data();
   for (int64_t s = 0; s < n; s += kSub) {

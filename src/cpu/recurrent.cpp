@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -519,6 +520,19 @@ struct BackwardWork {
         dbeta.reset(kC);
     graw.reset(kC * Kp), row.reset(Kp);
   }
+  // Clears the per-segment row buffers at the start of an item: a shorter segment leaves rows of an
+  // earlier item in place, and a NaN there (from a NaN input) must not reach this item.
+  void clear_rows() {
+    for (Buffer<float>* b : {&q, &qs, &k, &g, &e, &v, &dout, &beta, &hist, &r, &wres, &graw})
+      std::memset(b->data(), 0, sizeof(float) * b->size());
+  }
+  // Sizes the per-item buffers for sequences of up to `len` tokens, before any output is written.
+  void reserve(int64_t len, bool own_checkpoints) {
+    const int64_t n = std::max<int64_t>(len, 1);
+    dQ.reset(static_cast<size_t>(n * Kp));
+    dK.reset(static_cast<size_t>(n * Kp));
+    ckpt.reset(static_cast<size_t>((own_checkpoints ? (n + kC - 1) / kC : 1) * V * Kp));
+  }
 };
 
 // Recompute, then walk backwards, the tokens [0, n) of one segment for columns [j0, j0 + JG).
@@ -634,14 +648,16 @@ void gate_rows_double(GateMode mode, double a, float lb, const float* bias, cons
       const VD s = hn::Div(one, hn::Add(one, hn::Exp(dd, hn::Min(hn::Neg(z), hn::Set(dd, 700.0)))));
       gv = hn::Mul(hn::Set(dd, static_cast<double>(lb)), s);
     }
-    gv = hn::Min(gv, hn::Zero(dd));
+    gv = hn::Max(hn::Min(gv, hn::Zero(dd)),
+                 hn::Set(dd, -static_cast<double>(std::numeric_limits<float>::max())));
     hn::StoreU(hn::DemoteTo(dh, gv), dh, g + i);
     hn::StoreU(hn::DemoteTo(dh, hn::Exp(dd, gv)), dh, e + i);
   }
   for (; i < K; ++i) {
     const double gv =
-        std::min(0.0, core::gate_forward<double>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0,
-                                                 static_cast<double>(lb)));
+        std::max(std::min(0.0, core::gate_forward<double>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0,
+                                                          static_cast<double>(lb))),
+                 -static_cast<double>(std::numeric_limits<float>::max()));
     g[i] = static_cast<float>(gv);
     e[i] = static_cast<float>(std::exp(gv));
   }
@@ -670,6 +686,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     std::memset(w.dQ.data(), 0, sizeof(float) * static_cast<size_t>(len * Kp));
     std::memset(w.dK.data(), 0, sizeof(float) * static_cast<size_t>(len * Kp));
   }
+  w.clear_rows();
   const bool own_ckpt = in.chunk_states == nullptr;
   const size_t ckpt_size = static_cast<size_t>((own_ckpt ? nseg : 1) * V * Kp);
   if (w.ckpt.size() < ckpt_size) w.ckpt.reset(ckpt_size);
@@ -681,7 +698,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     float* dS = w.dS.data();
     load_panels(plan, in.d_final_state, n_seq, hv, dS);
 
-    const float a = plan.fused_gate() ? std::exp(f.A_log[hv]) : 0.0f;
+    const float a = plan.fused_gate() ? gate_scale(f.A_log[hv]) : 0.0f;
     const double a_d = plan.fused_gate() ? std::exp(static_cast<double>(f.A_log[hv])) : 0.0;
     const float* bias = (plan.fused_gate() && f.dt_bias != nullptr) ? f.dt_bias + hv * K : nullptr;
     double dA = 0.0;
@@ -774,12 +791,14 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     float* dK = w.dK.data() + i * Kp;
     if (p.qk_l2norm) {
       float* y = w.row.data();
+      std::fill(y + K, y + Kp, 0.0f);  // a NaN row of an earlier item may have left NaN here
       core::load_row(f.q, b, t, h, K, y);
       float rstd = l2norm_row(y, Kp);
-      core::l2norm_backward(y, rstd, dQ, K);
+      l2norm_backward_row(y, rstd, dQ, Kp);
+      std::fill(y + K, y + Kp, 0.0f);
       core::load_row(f.k, b, t, h, K, y);
       rstd = l2norm_row(y, Kp);
-      core::l2norm_backward(y, rstd, dK, K);
+      l2norm_backward_row(y, rstd, dK, Kp);
     }
     core::store_row(out.dq, b, t, h, K, dQ);
     core::store_row(out.dk, b, t, h, K, dK);
@@ -790,11 +809,11 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                       int num_threads) {
-  std::vector<std::unique_ptr<ForwardWork>> work(static_cast<size_t>(std::max(num_threads, 1)));
-  core::parallel_for(plan.num_sequences() * plan.HV, num_threads, [&](int64_t item, int worker) {
-    auto& w = work[static_cast<size_t>(worker)];
-    if (!w) w = std::make_unique<ForwardWork>(plan.K, plan.V);
-    forward_sequence<true>(plan, in, &out, item / plan.HV, item % plan.HV, *w, nullptr);
+  const int64_t items = plan.num_sequences() * plan.HV;
+  auto work = core::make_workspaces<ForwardWork>(items, num_threads, plan.K, plan.V);
+  core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
+    forward_sequence<true>(plan, in, &out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)],
+                           nullptr);
   });
 }
 
@@ -807,11 +826,12 @@ void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const B
     ddt.assign(static_cast<size_t>(N * HV * K), 0.0);
   }
   const GateGrads gg{dA.data(), ddt.data()};
-  std::vector<std::unique_ptr<BackwardWork>> work(static_cast<size_t>(std::max(num_threads, 1)));
+  int64_t longest = 0;
+  for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
+  auto work = core::make_workspaces<BackwardWork>(N * plan.H, num_threads, plan.K, plan.V);
+  for (auto& w : work) w->reserve(longest, in.chunk_states == nullptr);
   core::parallel_for(N * plan.H, num_threads, [&](int64_t item, int worker) {
-    auto& w = work[static_cast<size_t>(worker)];
-    if (!w) w = std::make_unique<BackwardWork>(plan.K, plan.V);
-    backward_item(plan, in, out, item / plan.H, item % plan.H, *w, gg);
+    backward_item(plan, in, out, item / plan.H, item % plan.H, *work[static_cast<size_t>(worker)], gg);
   });
   if (!plan.fused_gate()) return;
   // Sums over sequences, in order.

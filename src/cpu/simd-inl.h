@@ -14,7 +14,9 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "core/plan.hpp"
 #include "core/preprocess.hpp"
@@ -176,7 +178,15 @@ HWY_INLINE VF sigmoid(DF d, VF x) {
   return hn::Div(hn::Set(d, 1.0f), hn::Add(hn::Set(d, 1.0f), e));
 }
 
-// Log decay from the raw gate input (GateMode::softplus / lower_bound) for n floats.
+// exp(A_log) as the gate's float scale, finite even for A_log > 88 (where exp overflows float): an
+// infinite scale would turn a zero softplus into NaN.
+inline float gate_scale(float A_log) {
+  return static_cast<float>(
+      std::min<double>(std::exp(static_cast<double>(A_log)), std::numeric_limits<float>::max()));
+}
+
+// Log decay from the raw gate input (GateMode::softplus / lower_bound) for n floats, clamped to
+// -FLT_MAX so that it stays finite (a decay that strong is total either way).
 // bias may be null (zeros). Elements past the last whole vector use the scalar definition.
 inline void gate_row(GateMode mode, float a, float lower_bound, const float* bias, const float* raw,
                      float* out, int64_t n) {
@@ -189,16 +199,21 @@ inline void gate_row(GateMode mode, float a, float lower_bound, const float* bia
     if (bias != nullptr) x = hn::Add(x, hn::LoadU(d, bias + i));
     VF y;
     if (mode == GateMode::softplus) {
+      // softplus: x above 20 (as torch), exp(x) below -15 (log1p(e^x) = e^x to float precision there;
+      // Log1p loses its relative accuracy on such tiny arguments, which a large exp(A_log) would show).
       const VF lin = hn::Set(d, static_cast<float>(core::kSoftplusLinear));
-      const VF sp = hn::Log1p(d, hn::Exp(d, hn::Min(x, lin)));
+      const VF ex = hn::Exp(d, hn::Min(x, lin));
+      const VF sp = hn::IfThenElse(hn::Lt(x, hn::Set(d, -15.0f)), ex, hn::Log1p(d, ex));
       y = hn::Neg(hn::Mul(va, hn::IfThenElse(hn::Gt(x, lin), x, sp)));
     } else {
       y = hn::Mul(hn::Set(d, lower_bound), sigmoid(d, hn::Mul(va, x)));
     }
-    hn::StoreU(y, d, out + i);
+    hn::StoreU(hn::Max(y, hn::Set(d, -std::numeric_limits<float>::max())), d, out + i);
   }
   for (; i < n; ++i)
-    out[i] = core::gate_forward<float>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0f, lower_bound);
+    out[i] =
+        std::max(core::gate_forward<float>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0f, lower_bound),
+                 -std::numeric_limits<float>::max());
 }
 
 // x -= sum_{j in [j0, j1)} coef[j * coef_stride] * rows[j * ld] over n floats (n a multiple of the
@@ -273,7 +288,7 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
   const int64_t K = plan.K, V = plan.V, Kp = padded(K), Vp = padded(V);
   const int64_t h = hv / plan.group;
   const int64_t b = seq.batch_index;
-  const float a = plan.fused_gate() ? std::exp(in.A_log[hv]) : 0.0f;
+  const float a = plan.fused_gate() ? gate_scale(in.A_log[hv]) : 0.0f;
   const float* bias = (plan.fused_gate() && in.dt_bias != nullptr) ? in.dt_bias + hv * K : nullptr;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = seq.first_token + t_begin + i;
@@ -285,6 +300,9 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
     if (p.qk_l2norm) {
       qr = l2norm_row(q, Kp);
       kr = l2norm_row(k, Kp);
+      // Keep the padding zero even when the row is NaN (0 * NaN): later rows' sums read it.
+      std::fill(q + K, q + Kp, 0.0f);
+      std::fill(k + K, k + Kp, 0.0f);
     }
     if (rows.q_rstd != nullptr) rows.q_rstd[i] = qr;
     if (rows.k_rstd != nullptr) rows.k_rstd[i] = kr;

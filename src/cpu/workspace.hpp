@@ -48,14 +48,16 @@ class Buffer {
 };
 
 // Copies state (n, hv) of a [N, HV, state] tensor in the problem's layout into a K-first working
-// tile [K][ldS] (ldS >= V; padded columns untouched). A null source gives zeros.
+// tile [K][ldS] (ldS >= V; padded columns set to zero). A null source gives zeros.
 inline void load_state(const core::Plan& plan, const float* states, int64_t n, int64_t hv, float* S,
                        int64_t ldS) {
   const int64_t K = plan.K, V = plan.V;
-  if (states == nullptr) {
-    for (int64_t kk = 0; kk < K; ++kk) std::memset(S + kk * ldS, 0, sizeof(float) * V);
-    return;
-  }
+  // Padded columns are cleared too: what a previous item left there (NaN from a NaN input, say) must
+  // not reach this one.
+  const int64_t first_zero = states == nullptr ? 0 : V;
+  for (int64_t kk = 0; kk < K; ++kk)
+    std::memset(S + kk * ldS + first_zero, 0, sizeof(float) * (ldS - first_zero));
+  if (states == nullptr) return;
   const float* src = states + plan.state_offset(n, hv);
   if (!plan.v_first()) {
     for (int64_t kk = 0; kk < K; ++kk) std::memcpy(S + kk * ldS, src + kk * V, sizeof(float) * V);
