@@ -230,6 +230,9 @@ void check_both_kernels(const BwdCase& bc) {
       << "chunk_backward: gradients differ between given and recomputed chunk states";
 
   check_gradients("recurrent", bc, d, run_backward(Kernel::recurrent, d, ct), ref);
+  // The recurrent backward takes the forward's chunk states as its checkpoints.
+  check_gradients("recurrent+states", bc, d,
+                  run_backward(Kernel::recurrent, d, ct, {}, data_or_null(fwd.out.chunk_states)), ref);
 }
 
 class BackwardParity : public ::testing::TestWithParam<BwdCase> {};
