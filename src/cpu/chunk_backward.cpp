@@ -254,7 +254,9 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   float* dgp = bw.dgp.data();
   float* ccol = bw.ccol.data();
   float* Z = bw.Z.data();
-  for (float* b : {dQi, r, dKcol, dgp, ccol}) std::fill(b, b + n * Kp, 0.0f);
+  // dQi, r and dKcol rows are first written by the diagonal pass of their own block; dgp and ccol
+  // only accumulate.
+  for (float* b : {dgp, ccol}) std::fill(b, b + n * Kp, 0.0f);
   std::fill(Z, Z + C / kSub * Kp, 0.0f);
   float* crow = bw.crow.data();
   for (int64_t s = 0; s < n; s += kSub) {
@@ -268,9 +270,9 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       const VF p_ii = hn::Set(d, dP[i * C + i]);
       for (int64_t c = 0; c < Kp; c += L) {
         const VF qc = hn::LoadU(d, qi + c), kc = hn::LoadU(d, ki + c);
-        VF dq_acc = hn::MulAdd(p_ii, kc, hn::LoadU(d, dQi + i * Kp + c));  // j = i: E = 1, P term only
-        VF r_acc = hn::LoadU(d, r + i * Kp + c);
-        hn::StoreU(hn::MulAdd(p_ii, qc, hn::LoadU(d, dKcol + i * Kp + c)), d, dKcol + i * Kp + c);
+        VF dq_acc = hn::Mul(p_ii, kc);  // j = i: E = 1, P term only
+        VF r_acc = hn::Zero(d);
+        hn::StoreU(hn::Mul(p_ii, qc), d, dKcol + i * Kp + c);  // row i's first term
         VF ec = hn::Set(d, 1.0f);
         for (int64_t j = i - 1; j >= s; --j) {
           ec = hn::Mul(ec, hn::LoadU(d, w.eg.data() + (j + 1) * Kp + c));
