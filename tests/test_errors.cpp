@@ -219,6 +219,14 @@ TEST_F(Errors, NullAndBadInputs) {
   i2 = in;
   i2.v.stride_t = -1;
   expect_forward_rejected("v", i2);
+  // A view of another tensor's shape (v passed with q's heads and dim) is caught, not read past its end.
+  i2 = in;
+  i2.v.heads = in.q.heads;
+  i2.v.dim = in.q.dim + 1;
+  expect_forward_rejected("v", i2);
+  i2 = in;
+  i2.beta.dim = 0;  // a hand-built view that never set its shape
+  expect_forward_rejected("beta", i2);
 }
 
 TEST_F(Errors, MismatchedDtypes) {

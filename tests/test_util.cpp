@@ -162,9 +162,9 @@ Tensor::Tensor(DType dtype, int64_t B, int64_t T, int64_t heads, int64_t dim, bo
         for (int64_t i = 0; i < dim; ++i) set(b, t, h, i, 0.0);
 }
 
-Input Tensor::input() const { return Input{words_.data(), dtype_, sb_, st_, sh_}; }
+Input Tensor::input() const { return Input{words_.data(), dtype_, sb_, st_, sh_, heads_, dim_}; }
 
-Output Tensor::output() { return Output{words_.data(), dtype_, sb_, st_, sh_}; }
+Output Tensor::output() { return Output{words_.data(), dtype_, sb_, st_, sh_, heads_, dim_}; }
 
 double Tensor::get(int64_t b, int64_t t, int64_t h, int64_t i) const {
   const int64_t o = offset(b, t, h, i);

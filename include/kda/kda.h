@@ -115,6 +115,7 @@ typedef struct kda_input {
   const void* data;
   int32_t dtype; /* KDA_DTYPE_* */
   int64_t stride_b, stride_t, stride_h;
+  int64_t heads, dim; /* the view's shape [B, T, heads, dim], checked against the problem */
 } kda_input;
 
 /* Writable view of an activation [B, T, heads, dim]; same conventions as kda_input. */
@@ -122,6 +123,7 @@ typedef struct kda_output {
   void* data;
   int32_t dtype; /* KDA_DTYPE_* */
   int64_t stride_b, stride_t, stride_h;
+  int64_t heads, dim; /* the view's shape [B, T, heads, dim], checked against the problem */
 } kda_output;
 
 typedef struct kda_forward_inputs {

@@ -74,11 +74,13 @@ struct Problem {
 };
 
 // Read-only view of an activation tensor [B, T, heads, dim]; strides are in elements, the last
-// dimension is contiguous. make_input() fills in the packed (contiguous) strides.
+// dimension is contiguous. `heads` and `dim` state the view's shape and are checked against the
+// problem (B and T come from it). make_input() fills in the shape and packed strides.
 struct Input {
   const void* data = nullptr;
   DType dtype = DType::f32;
   int64_t stride_b = 0, stride_t = 0, stride_h = 0;
+  int64_t heads = 0, dim = 0;
 };
 
 // Writable view of an activation tensor [B, T, heads, dim]; same conventions as Input.
@@ -86,6 +88,7 @@ struct Output {
   void* data = nullptr;
   DType dtype = DType::f32;
   int64_t stride_b = 0, stride_t = 0, stride_h = 0;
+  int64_t heads = 0, dim = 0;
 };
 
 // Views with packed strides for a contiguous [B, T, heads, dim] tensor.

@@ -90,11 +90,13 @@ kda::Problem to_cpp(const kda_problem& c) {
 }
 
 kda::Input to_cpp(const kda_input& c) {
-  return kda::Input{c.data, static_cast<kda::DType>(c.dtype), c.stride_b, c.stride_t, c.stride_h};
+  return kda::Input{c.data, static_cast<kda::DType>(c.dtype), c.stride_b, c.stride_t, c.stride_h, c.heads,
+                    c.dim};
 }
 
 kda::Output to_cpp(const kda_output& c) {
-  return kda::Output{c.data, static_cast<kda::DType>(c.dtype), c.stride_b, c.stride_t, c.stride_h};
+  return kda::Output{c.data, static_cast<kda::DType>(c.dtype), c.stride_b, c.stride_t, c.stride_h, c.heads,
+                     c.dim};
 }
 
 kda::ForwardInputs to_cpp(const kda_forward_inputs& c) {
@@ -222,6 +224,8 @@ kda_input kda_make_input(const void* data, int32_t dtype, const kda_problem* p, 
   view.stride_h = dim;
   view.stride_t = heads * dim;
   view.stride_b = p->seq_len * heads * dim;
+  view.heads = heads;
+  view.dim = dim;
   return view;
 }
 
@@ -238,6 +242,8 @@ kda_output kda_make_output(void* data, int32_t dtype, const kda_problem* p, int6
   view.stride_h = dim;
   view.stride_t = heads * dim;
   view.stride_b = p->seq_len * heads * dim;
+  view.heads = heads;
+  view.dim = dim;
   return view;
 }
 

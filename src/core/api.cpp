@@ -6,11 +6,11 @@
 namespace kda {
 
 Input make_input(const void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim) {
-  return Input{data, dtype, p.seq_len * heads * dim, heads * dim, dim};
+  return Input{data, dtype, p.seq_len * heads * dim, heads * dim, dim, heads, dim};
 }
 
 Output make_output(void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim) {
-  return Output{data, dtype, p.seq_len * heads * dim, heads * dim, dim};
+  return Output{data, dtype, p.seq_len * heads * dim, heads * dim, dim, heads, dim};
 }
 
 const char* simd_target() { return cpu::simd_target(); }

@@ -33,7 +33,12 @@ struct Extents {
 };
 
 template <typename View>
-void check_view(const std::string& arg, const View& v, const Extents& /*extents*/) {
+void check_view(const std::string& arg, const View& v, const Extents& e) {
+  if (v.heads != e.heads || v.dim != e.dim)
+    fail(arg, "expected a view of shape [" + std::to_string(e.B) + ", " + std::to_string(e.T) + ", " +
+                  std::to_string(e.heads) + ", " + std::to_string(e.dim) + "], got heads " +
+                  std::to_string(v.heads) + ", dim " + std::to_string(v.dim) +
+                  " (make_input / make_output fill both)");
   if (v.data == nullptr) fail(arg, "null data pointer");
   check_dtype(arg, v.dtype);
   if (v.stride_b < 0 || v.stride_t < 0 || v.stride_h < 0)
@@ -130,8 +135,6 @@ Plan plan_problem(const Problem& p) {
   return plan;
 }
 
-namespace {
-
 void check_forward_inputs(const Plan& plan, const ForwardInputs& in) {
   const Problem& p = plan.problem;
   check_view("q", in.q, {p.batch, p.seq_len, plan.H, plan.K});
@@ -147,8 +150,6 @@ void check_forward_inputs(const Plan& plan, const ForwardInputs& in) {
   if (!plan.fused_gate() && in.dt_bias != nullptr)
     fail("dt_bias", "only used by a fused gate; set gate to softplus or lower_bound, or pass null");
 }
-
-}  // namespace
 
 Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out) {
   Plan plan = plan_problem(p);

@@ -40,6 +40,8 @@ struct Plan {
 
 // Validates the problem alone (shapes, options, cu_seqlens).
 Plan plan_problem(const Problem& p);
+// Checks the inputs of a forward call (every view, A_log and dt_bias rules) against a planned problem.
+void check_forward_inputs(const Plan& plan, const ForwardInputs& in);
 Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out);
 Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out);
 

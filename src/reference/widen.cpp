@@ -7,16 +7,7 @@
 namespace kda::reference {
 namespace {
 
-[[noreturn]] void fail(const std::string& arg, const std::string& what) {
-  throw Error("kda: argument '" + arg + "': " + what);
-}
-
-std::vector<double> widen_view(const std::string& arg, const Input& view, int64_t B, int64_t T, int64_t heads,
-                               int64_t dim) {
-  if (view.data == nullptr) fail(arg, "null data pointer");
-  if (view.dtype != DType::f32 && view.dtype != DType::bf16)
-    fail(arg, "expected dtype f32 or bf16, got unknown dtype code " +
-                  std::to_string(static_cast<int>(view.dtype)));
+std::vector<double> widen_view(const Input& view, int64_t B, int64_t T, int64_t heads, int64_t dim) {
   std::vector<double> out(static_cast<size_t>(B * T * heads * dim));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
@@ -35,23 +26,17 @@ std::vector<double> widen_floats(const float* src, int64_t n) {
 
 Inputs widen(const Problem& p, const ForwardInputs& in) {
   const core::Plan plan = core::plan_problem(p);
+  core::check_forward_inputs(plan, in);  // the kernels' own validation
   const int64_t B = p.batch, T = p.seq_len;
   Inputs r;
-  r.q = widen_view("q", in.q, B, T, plan.H, plan.K);
-  r.k = widen_view("k", in.k, B, T, plan.H, plan.K);
-  r.v = widen_view("v", in.v, B, T, plan.HV, plan.V);
-  r.g = widen_view("g", in.g, B, T, plan.HV, plan.K);
-  r.beta = widen_view("beta", in.beta, B, T, plan.HV, 1);
+  r.q = widen_view(in.q, B, T, plan.H, plan.K);
+  r.k = widen_view(in.k, B, T, plan.H, plan.K);
+  r.v = widen_view(in.v, B, T, plan.HV, plan.V);
+  r.g = widen_view(in.g, B, T, plan.HV, plan.K);
+  r.beta = widen_view(in.beta, B, T, plan.HV, 1);
   if (plan.fused_gate()) {
-    if (in.A_log == nullptr)
-      fail("A_log", "required by the fused gate (gate mode softplus or lower_bound), got null");
     r.A_log = widen_floats(in.A_log, plan.HV);
     if (in.dt_bias != nullptr) r.dt_bias = widen_floats(in.dt_bias, plan.HV * plan.K);
-  } else {
-    if (in.A_log != nullptr)
-      fail("A_log", "only used by a fused gate; set gate to softplus or lower_bound, or pass null");
-    if (in.dt_bias != nullptr)
-      fail("dt_bias", "only used by a fused gate; set gate to softplus or lower_bound, or pass null");
   }
   if (in.initial_state != nullptr)
     r.initial_state = widen_floats(in.initial_state, plan.num_sequences() * plan.HV * plan.state_size());
