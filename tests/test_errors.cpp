@@ -379,3 +379,24 @@ TEST_F(Errors, OracleSizes) {
 
 }  // namespace
 }  // namespace kda::test
+
+namespace kda::test {
+namespace {
+
+// An output that shares memory with another tensor of the call is rejected, naming it.
+TEST_F(Errors, OverlappingOutputs) {
+  ForwardOutputs o2 = out;
+  o2.final_state = chunks.data();  // the chunk states' buffer written twice
+  expect_forward_rejected("final_state", o2);
+  BackwardOutputs b2 = bout;
+  b2.dk = bout.dq;  // same buffer for dq and dk
+  expect_backward_rejected("dq", p, bin, b2);
+  BackwardInputs bi2 = bin;
+  b2 = bout;
+  bi2.d_o = Input{bout.dv.data,     bout.dv.dtype, bout.dv.stride_b, bout.dv.stride_t,
+                  bout.dv.stride_h, bout.dv.heads, bout.dv.dim};  // dv written over d_o
+  expect_backward_rejected("dv", p, bi2, b2);
+}
+
+}  // namespace
+}  // namespace kda::test

@@ -187,3 +187,59 @@ TEST(Robustness, ThreadCountOutOfRangeIsRejected) {
 
 }  // namespace
 }  // namespace kda::test
+
+namespace kda::test {
+namespace {
+
+// The serving pattern: the state tensor updated in place (final_state == initial_state), and the
+// same for the state gradient (d_initial_state == d_final_state). Results equal the out-of-place call.
+TEST(Robustness, StatesUpdatedInPlace) {
+  Case c;
+  c.lengths = {40, 1, 77};
+  c.H = 1;
+  c.HV = 2;
+  c.K = 24;
+  c.V = 16;
+  c.initial_state = true;
+  c.layout = StateLayout::v_first;
+  c.seed = 31;
+  Data d;
+  make_data(c, d);
+  const Problem p = d.problem();
+  const ForwardInputs in = d.inputs();
+  Cotangents ct;
+  make_cotangents(d, true, 3, ct);
+  const size_t n_state = static_cast<size_t>(d.state_elems());
+  using Fwd = void (*)(const Problem&, const ForwardInputs&, const ForwardOutputs&, const RunOptions&);
+  using Bwd = void (*)(const Problem&, const BackwardInputs&, const BackwardOutputs&, const RunOptions&);
+  const std::pair<Fwd, Bwd> paths[] = {{&chunk_forward, &chunk_backward},
+                                       {&recurrent_forward, &recurrent_backward}};
+  for (const auto& [fwd, bwd] : paths) {
+    Tensor o1(DType::f32, 1, c.total_tokens(), c.HV, c.V, false), o2 = o1;
+    std::vector<float> separate(n_state);
+    fwd(p, in, ForwardOutputs{o1.output(), separate.data(), nullptr}, {});
+    std::vector<float> pool = d.h0;  // updated in place
+    ForwardInputs in_place = in;
+    in_place.initial_state = pool.data();
+    fwd(p, in_place, ForwardOutputs{o2.output(), pool.data(), nullptr}, {});
+    EXPECT_TRUE(bitwise_equal(o1, o2));
+    EXPECT_TRUE(bitwise_equal(separate, pool));
+
+    Tensor dq(DType::f32, 1, c.total_tokens(), c.H, c.K, false), dk = dq;
+    Tensor dv(DType::f32, 1, c.total_tokens(), c.HV, c.V, false);
+    Tensor dg(DType::f32, 1, c.total_tokens(), c.HV, c.K, false);
+    Tensor db(DType::f32, 1, c.total_tokens(), c.HV, 1, false);
+    std::vector<float> dh0(n_state);
+    const BackwardInputs bin{in, ct.d_o.input(), ct.d_final_state.data(), nullptr};
+    bwd(p, bin, BackwardOutputs{dq.output(), dk.output(), dv.output(), dg.output(), db.output(), dh0.data()},
+        {});
+    std::vector<float> dpool = ct.d_final_state;
+    const BackwardInputs bin2{in, ct.d_o.input(), dpool.data(), nullptr};
+    bwd(p, bin2,
+        BackwardOutputs{dq.output(), dk.output(), dv.output(), dg.output(), db.output(), dpool.data()}, {});
+    EXPECT_TRUE(bitwise_equal(dh0, dpool));
+  }
+}
+
+}  // namespace
+}  // namespace kda::test

@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 namespace kda::core {
 namespace {
@@ -151,11 +154,91 @@ void check_forward_inputs(const Plan& plan, const ForwardInputs& in) {
     fail("dt_bias", "only used by a fused gate; set gate to softplus or lower_bound, or pass null");
 }
 
+namespace {
+
+// The byte ranges of a call's tensors, so that an output sharing memory with any other tensor is
+// rejected before anything is written. The one sharing allowed is a state updated in place:
+// final_state exactly equal to initial_state, d_initial_state exactly equal to d_final_state (each
+// (sequence, head) state is read in full before its result is written).
+class Ranges {
+ public:
+  template <typename View>
+  void view(const char* name, const View& v, const Extents& e, bool output) {
+    if (e.B == 0 || e.T == 0 || e.heads == 0 || e.dim == 0) return;
+    int64_t last = e.dim, term = 0;  // elements: one past the last element, from data
+    for (auto [extent, stride] :
+         {std::pair{e.B, v.stride_b}, std::pair{e.T, v.stride_t}, std::pair{e.heads, v.stride_h}})
+      if (__builtin_mul_overflow(extent - 1, stride, &term) || __builtin_add_overflow(last, term, &last))
+        fail(name, "strides reach beyond the address space");
+    int64_t bytes = 0;
+    if (__builtin_mul_overflow(last, static_cast<int64_t>(dtype_size(v.dtype)), &bytes))
+      fail(name, "strides reach beyond the address space");
+    add(name, v.data, bytes, output);
+  }
+  void floats(const char* name, const void* p, int64_t count, bool output) {
+    if (p != nullptr && count > 0) add(name, p, count * static_cast<int64_t>(sizeof(float)), output);
+  }
+  void check() const {
+    for (const Range& o : ranges_) {
+      if (!o.output) continue;
+      for (const Range& x : ranges_) {
+        if (&x == &o || !(o.lo < x.hi && x.lo < o.hi)) continue;
+        if (in_place_state(o, x)) continue;
+        fail(o.name,
+             std::string("shares memory with '") + x.name +
+                 "'; an output may not overlap any other tensor of the call (in-place states excepted: "
+                 "final_state == initial_state, d_initial_state == d_final_state)");
+      }
+    }
+  }
+
+ private:
+  struct Range {
+    const char* name;
+    uintptr_t lo, hi;
+    bool output;
+  };
+  void add(const char* name, const void* p, int64_t bytes, bool output) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(p);
+    ranges_.push_back({name, lo, lo + static_cast<uintptr_t>(bytes), output});
+  }
+  static bool in_place_state(const Range& a, const Range& b) {
+    const auto pair = [&](const char* x, const char* y) {
+      return (std::string(a.name) == x && std::string(b.name) == y) ||
+             (std::string(a.name) == y && std::string(b.name) == x);
+    };
+    return a.lo == b.lo && a.hi == b.hi &&
+           (pair("final_state", "initial_state") || pair("d_initial_state", "d_final_state"));
+  }
+  std::vector<Range> ranges_;
+};
+
+void add_forward_inputs(Ranges& r, const Plan& plan, const ForwardInputs& in) {
+  const Problem& p = plan.problem;
+  r.view("q", in.q, {p.batch, p.seq_len, plan.H, plan.K}, false);
+  r.view("k", in.k, {p.batch, p.seq_len, plan.H, plan.K}, false);
+  r.view("v", in.v, {p.batch, p.seq_len, plan.HV, plan.V}, false);
+  r.view("g", in.g, {p.batch, p.seq_len, plan.HV, plan.K}, false);
+  r.view("beta", in.beta, {p.batch, p.seq_len, plan.HV, 1}, false);
+  r.floats("A_log", in.A_log, plan.HV, false);
+  r.floats("dt_bias", in.dt_bias, plan.HV * plan.K, false);
+  r.floats("initial_state", in.initial_state, plan.num_sequences() * plan.HV * plan.state_size(), false);
+}
+
+}  // namespace
+
 Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out) {
   Plan plan = plan_problem(p);
   check_forward_inputs(plan, in);
   check_output("o", out.o, {p.batch, p.seq_len, plan.HV, plan.V});
   check_same_dtype("o", out.o.dtype, "v", in.v.dtype);
+  Ranges ranges;
+  add_forward_inputs(ranges, plan, in);
+  ranges.view("o", out.o, {p.batch, p.seq_len, plan.HV, plan.V}, true);
+  const int64_t state = plan.HV * plan.state_size();
+  ranges.floats("final_state", out.final_state, plan.num_sequences() * state, true);
+  ranges.floats("chunk_states", out.chunk_states, plan.total_chunks * state, true);
+  ranges.check();
   return plan;
 }
 
@@ -179,6 +262,21 @@ Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOut
     fail("dA_log", "only produced by a fused gate; pass null for gate mode log_decay");
   if (!plan.fused_gate() && out.ddt_bias != nullptr)
     fail("ddt_bias", "only produced by a fused gate; pass null for gate mode log_decay");
+  Ranges ranges;
+  add_forward_inputs(ranges, plan, f);
+  const int64_t state = plan.HV * plan.state_size();
+  ranges.view("d_o", in.d_o, {p.batch, p.seq_len, plan.HV, plan.V}, false);
+  ranges.floats("d_final_state", in.d_final_state, plan.num_sequences() * state, false);
+  ranges.floats("chunk_states", in.chunk_states, plan.total_chunks * state, false);
+  ranges.view("dq", out.dq, {p.batch, p.seq_len, plan.H, plan.K}, true);
+  ranges.view("dk", out.dk, {p.batch, p.seq_len, plan.H, plan.K}, true);
+  ranges.view("dv", out.dv, {p.batch, p.seq_len, plan.HV, plan.V}, true);
+  ranges.view("dg", out.dg, {p.batch, p.seq_len, plan.HV, plan.K}, true);
+  ranges.view("dbeta", out.dbeta, {p.batch, p.seq_len, plan.HV, 1}, true);
+  ranges.floats("d_initial_state", out.d_initial_state, plan.num_sequences() * state, true);
+  ranges.floats("dA_log", out.dA_log, plan.HV, true);
+  ranges.floats("ddt_bias", out.ddt_bias, plan.HV * plan.K, true);
+  ranges.check();
   return plan;
 }
 
