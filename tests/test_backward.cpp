@@ -243,51 +243,11 @@ std::string case_name(const ::testing::TestParamInfo<BwdCase>& info) { return in
 
 // ---- case grids ----------------------------------------------------------------------------------
 
-// The forward's grid: every regime at every edge length, the other axes (head sizes, GVA ratio,
-// batch, layout, initial state, dtype, fused options, scale, final-state gradient) spread over the
-// cases. The oracle backward costs ~T * HV * K * V: the T = 1000 cases keep one or two value heads
-// and V <= 60.
+// The forward's grid (light where T = 1000), each case with or without a final-state gradient.
 std::vector<BwdCase> grid_cases() {
-  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
-  const int64_t lengths[] = {1, 15, 16, 17, 63, 64, 65, 1000};
-  const int64_t dims[] = {16, 60, 100, 128};
-  const int64_t ratios[] = {1, 2, 4};
   std::vector<BwdCase> cases;
-  int i = 0;
-  for (Regime r : regimes)
-    for (int64_t T : lengths) {
-      Rng pick(0xbac0000u + static_cast<uint64_t>(i));
-      BwdCase bc;
-      Case& c = bc.c;
-      c.regime = r;
-      c.T = T;
-      c.seed = 1100 + static_cast<uint64_t>(i);
-      c.K = dims[i % 4];
-      const bool long_seq = T >= 1000;
-      c.V = dims[(i + i / 4) % 4 / (long_seq ? 2 : 1)];  // T = 1000: V in {16, 60}
-      c.H = long_seq ? 1 : 1 + pick.below(2);
-      c.HV = c.H * (long_seq ? ratios[(i / 8) % 2] : ratios[i % 3]);
-      c.B = long_seq ? 1 : 1 + pick.below(2);
-      c.layout = pick.chance(0.5) ? StateLayout::v_first : StateLayout::k_first;
-      c.initial_state = pick.chance(0.6);
-      c.dtype = pick.chance(0.3) ? DType::bf16 : DType::f32;
-      c.qk_l2norm = pick.chance(0.5);
-      c.beta = static_cast<BetaMode>(pick.below(3));
-      const double u = pick.uniform();
-      if (r == Regime::unbounded)
-        c.gate = u < 0.75 ? GateMode::softplus : GateMode::log_decay;  // else: the decays passed directly
-      else
-        c.gate = u < 0.5 ? GateMode::log_decay : (u < 0.75 ? GateMode::softplus : GateMode::lower_bound);
-      c.dt_bias = pick.chance(0.7);
-      const double s = pick.uniform();
-      if (s < 0.15)
-        c.scale = 1.0f;
-      else if (s < 0.3)
-        c.scale = 0.1f;
-      bc.d_final_state = pick.chance(0.6);
-      cases.push_back(bc);
-      ++i;
-    }
+  Rng pick(0xbac0001u);
+  for (const Case& c : parity_grid(0xbac0000u, true)) cases.push_back({c, pick.chance(0.6)});
   return cases;
 }
 

@@ -55,52 +55,8 @@ TEST_P(ForwardParity, BothKernels) { check_both_kernels(GetParam()); }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name(); }
 
-// Every regime at every edge length; the other axes (head sizes, GVA ratio, batch, layout, initial
-// state, dtype, fused options, scale) are spread over the cases so that each value appears often
-// and in varied company. Deterministic.
-std::vector<Case> grid_cases() {
-  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
-  const int64_t lengths[] = {1, 15, 16, 17, 63, 64, 65, 1000};
-  const int64_t dims[] = {16, 60, 100, 128};
-  const int64_t ratios[] = {1, 2, 4};
-  std::vector<Case> cases;
-  int i = 0;
-  for (Regime r : regimes)
-    for (int64_t T : lengths) {
-      Rng pick(0x5eed0000u + static_cast<uint64_t>(i));
-      Case c;
-      c.regime = r;
-      c.T = T;
-      c.seed = 100 + static_cast<uint64_t>(i);
-      c.K = dims[i % 4];
-      c.V = dims[(i + i / 4) % 4];
-      const bool long_seq = T >= 1000;
-      c.H = long_seq ? 1 : 1 + pick.below(2);
-      c.HV = c.H * ratios[i % 3];
-      c.B = long_seq ? 1 : 1 + pick.below(2);
-      c.layout = pick.chance(0.5) ? StateLayout::v_first : StateLayout::k_first;
-      c.initial_state = pick.chance(0.6);
-      c.dtype = pick.chance(0.3) ? DType::bf16 : DType::f32;
-      c.qk_l2norm = pick.chance(0.5);
-      c.beta = static_cast<BetaMode>(pick.below(3));
-      const double u = pick.uniform();
-      if (r == Regime::unbounded)
-        c.gate = u < 0.75 ? GateMode::softplus : GateMode::log_decay;  // else: the decays passed directly
-      else
-        c.gate = u < 0.5 ? GateMode::log_decay : (u < 0.75 ? GateMode::softplus : GateMode::lower_bound);
-      c.dt_bias = pick.chance(0.7);
-      const double s = pick.uniform();
-      if (s < 0.15)
-        c.scale = 1.0f;
-      else if (s < 0.3)
-        c.scale = 0.1f;
-      cases.push_back(c);
-      ++i;
-    }
-  return cases;
-}
-
-INSTANTIATE_TEST_SUITE_P(Grid, ForwardParity, ::testing::ValuesIn(grid_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Grid, ForwardParity, ::testing::ValuesIn(parity_grid(0x5eed0000u, false)),
+                         case_name);
 
 // The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
 std::vector<Case> lower_bound_cases() {

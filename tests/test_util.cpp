@@ -528,4 +528,47 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return true;
 }
 
+std::vector<Case> parity_grid(uint64_t seed, bool light_long) {
+  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
+  const int64_t lengths[] = {1, 15, 16, 17, 63, 64, 65, 1000};
+  const int64_t dims[] = {16, 60, 100, 128};
+  const int64_t ratios[] = {1, 2, 4};
+  std::vector<Case> cases;
+  int i = 0;
+  for (Regime r : regimes)
+    for (int64_t T : lengths) {
+      Rng pick(seed + static_cast<uint64_t>(i));
+      Case c;
+      c.regime = r;
+      c.T = T;
+      c.seed = seed % 10007 + static_cast<uint64_t>(i);
+      const bool long_seq = T >= 1000;
+      const bool light = light_long && long_seq;
+      c.K = dims[i % 4];
+      c.V = dims[(i + i / 4) % 4 / (light ? 2 : 1)];
+      c.H = long_seq ? 1 : 1 + pick.below(2);
+      c.HV = c.H * (light ? ratios[(i / 8) % 2] : ratios[i % 3]);
+      c.B = long_seq ? 1 : 1 + pick.below(2);
+      c.layout = pick.chance(0.5) ? StateLayout::v_first : StateLayout::k_first;
+      c.initial_state = pick.chance(0.6);
+      c.dtype = pick.chance(0.3) ? DType::bf16 : DType::f32;
+      c.qk_l2norm = pick.chance(0.5);
+      c.beta = static_cast<BetaMode>(pick.below(3));
+      const double u = pick.uniform();
+      if (r == Regime::unbounded)
+        c.gate = u < 0.75 ? GateMode::softplus : GateMode::log_decay;  // else: the decays passed directly
+      else
+        c.gate = u < 0.5 ? GateMode::log_decay : (u < 0.75 ? GateMode::softplus : GateMode::lower_bound);
+      c.dt_bias = pick.chance(0.7);
+      const double s = pick.uniform();
+      if (s < 0.15)
+        c.scale = 1.0f;
+      else if (s < 0.3)
+        c.scale = 0.1f;
+      cases.push_back(c);
+      ++i;
+    }
+  return cases;
+}
+
 }  // namespace kda::test

@@ -140,6 +140,13 @@ struct Data {
 // is rounded to its dtype before anyone sees it.
 void make_data(const Case& c, Data& d);
 
+// The parity grid shared by the forward and backward tests: every regime at every edge length
+// T in {1, 15, 16, 17, 63, 64, 65, 1000}; the other axes (K, V in {16, 60, 100, 128}, GVA ratio 1/2/4,
+// batch, layout, initial state, dtype, fused options, scale) spread over the cases so that each value
+// appears often and in varied company. Deterministic in `seed`. `light_long` keeps the T = 1000 cases
+// cheap for an oracle that costs ~T * HV * K * V per gradient (V in {16, 60}, GVA ratio <= 2).
+std::vector<Case> parity_grid(uint64_t seed, bool light_long);
+
 // ---- running kernels and the oracle -------------------------------------------------------------
 
 struct ForwardOut {
