@@ -1,37 +1,5 @@
-// Token-by-token (recurrent) forward and backward on the CPU: the exact recurrence
-//   S1 = diag(e^{g_t}) S0,   r = beta_t (v_t - S1^T k_t),   S2 = S1 + k_t r^T,   o_t = scale S2^T q_t
-// per (sequence, value head), fp32 with fp32 accumulation.
-//
-// Columns of the state are independent in this recurrence (k^T S, the update and q^T S all act on
-// one column at a time; only the outputs dq, dk, dg, dbeta sum over columns), so both directions
-// work on column blocks that stay in L1 while a block of up to 64 tokens streams past them.
-//
-// Forward: the state lives as K-first column blocks [K][W] (W = 64 floats on AVX-512), each block
-// contiguous. Per token, one pass over the block's rows does the update with r_t, the read-out of
-// o_t, the decay of token t+1 and its k_{t+1}^T S: the state is read and written once per token.
-//
-// Backward: a forward pass stores the state entering every 64-token segment (or the caller's
-// chunk_states are used). Segments are visited in reverse; per group of J state columns (held
-// V-first in "panels", see below), the segment's per-token states are recomputed into a history,
-// then the tokens are walked backwards (u = k^T S1, w = v - u, r = beta w). With dS the gradient
-// of S2:
-//   dS2 = dS + scale q do^T     dq += scale S2 do      dr = dS2^T k       dk += dS2 r
-//   dv = beta dr                dbeta = dr . w         du = -beta dr      dS1 = dS2 + k du^T
-//   dk += S1 du                 dg = rowsum(S1 * dS1)  dS0 = diag(e^g) dS1
-// Items are (sequence, q/k head): the value heads of a group are visited in a fixed order and their
-// dq, dk summed in a per-item buffer, so results do not depend on the thread count. dA_log and
-// dt_bias gradients are accumulated in double per (sequence, value head), then summed over
-// sequences in order. For the fused gates the backward re-evaluates g and exp(g) in double: exp
-// turns the ulp-sized absolute error of a large |g| into a relative error of exp(g), which the
-// dA_log sum (weighted by g) would otherwise show at the 1e-6 level.
-//
-// Memory per thread: the backward's checkpoints take ceil(T / 64) * V * padded(K) floats per
-// sequence (none when chunk_states are passed), plus 2 * T * padded(K) floats for dq, dk.
+// Token-by-token (recurrent) backward on the CPU. See cpu/recurrent-inl.h for the design.
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <memory>
 #include <vector>
 
 #include "core/parallel.hpp"
@@ -40,109 +8,16 @@
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "cpu/recurrent.cpp"
+#define HWY_TARGET_INCLUDE "cpu/recurrent_backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "hwy/cache_control.h"
 #include "cpu/simd-inl.h"
+#include "cpu/recurrent-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 namespace {
-
-constexpr int64_t kC = kChunkSize;
-
-// Vectors per row of a forward column block: accumulators for k^T S and q^T S (2 * NV), the
-// residual (NV) and the row being updated must fit the register file (16 on AVX2, 32 on AVX-512).
-constexpr int kFwdVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
-// State columns per backward group: one k^T dS2 accumulator each, plus the shared row vectors.
-constexpr int kBwdColumns = (HWY_TARGET == HWY_AVX2) ? 4 : 8;
-
-HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
-
-// Width (floats) of forward column blocks: a multiple of the vector length, at most kFwdVectors.
-HWY_INLINE int64_t block_width() { return kFwdVectors * lanes(); }
-
-// ---- forward ------------------------------------------------------------------------------------
-
-// The state as K-first column blocks: block b covers columns [b*W, b*W + wb) of the padded Vp
-// columns, wb = min(W, Vp - b*W), stored contiguously as [K][wb] at offset K * b * W.
-struct BlockedState {
-  int64_t K = 0, Vp = 0, W = 0;
-  float* data = nullptr;
-
-  int64_t width(int64_t c0) const { return std::min(W, Vp - c0); }
-  float* block(int64_t c0) const { return data + K * c0; }
-};
-
-// Copies state (n, hv) of a [N, HV, state] tensor (null: zeros) into the blocked state.
-void load_blocked(const core::Plan& plan, const float* states, int64_t n, int64_t hv, const BlockedState& S) {
-  const int64_t K = plan.K, V = plan.V;
-  if (states == nullptr) {
-    std::memset(S.data, 0, sizeof(float) * static_cast<size_t>(S.K * S.Vp));
-    return;
-  }
-  const float* src = states + plan.state_offset(n, hv);
-  for (int64_t c0 = 0; c0 < V; c0 += S.W) {
-    const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
-    float* blk = S.block(c0);
-    for (int64_t kk = 0; kk < K; ++kk) {
-      float* row = blk + kk * wb;
-      if (plan.v_first()) {
-        for (int64_t j = 0; j < cols; ++j) row[j] = src[(c0 + j) * K + kk];
-      } else {
-        std::memcpy(row, src + kk * V + c0, sizeof(float) * static_cast<size_t>(cols));
-      }
-    }
-  }
-}
-
-// The inverse of load_blocked.
-void store_blocked(const core::Plan& plan, const BlockedState& S, float* states, int64_t n, int64_t hv) {
-  const int64_t K = plan.K, V = plan.V;
-  float* dst = states + plan.state_offset(n, hv);
-  for (int64_t c0 = 0; c0 < V; c0 += S.W) {
-    const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
-    const float* blk = S.block(c0);
-    if (plan.v_first()) {
-      for (int64_t j = 0; j < cols; ++j)
-        for (int64_t kk = 0; kk < K; ++kk) dst[(c0 + j) * K + kk] = blk[kk * wb + j];
-    } else {
-      for (int64_t kk = 0; kk < K; ++kk)
-        std::memcpy(dst + kk * V + c0, blk + kk * wb, sizeof(float) * static_cast<size_t>(cols));
-    }
-  }
-}
-
-// The backward keeps states and their gradients "V-first in panels": the columns of the state go
-// in groups of kBwdColumns (the last group may be smaller, JG columns), and a group is stored as
-// [Kp / L][JG][L]: for each vector of L key channels, the JG columns one after the other. A group
-// of columns is contiguous (JG * Kp floats at j0 * Kp), and one pointer with constant offsets
-// reaches every column of it.
-// Calls f(j, kk, offset) for every element (column j < V, key channel kk < K) of a state in panels.
-template <typename F>
-HWY_INLINE void for_each_panel_element(int64_t K, int64_t V, F&& f) {
-  const int64_t L = lanes(), Kp = padded(K);
-  for (int64_t j0 = 0; j0 < V; j0 += kBwdColumns) {
-    const int64_t jg = std::min<int64_t>(kBwdColumns, V - j0);
-    for (int64_t i = 0; i < K; i += L) {
-      const int64_t lanes_here = std::min(L, K - i);
-      const int64_t base = j0 * Kp + i * jg;
-      for (int64_t j = 0; j < jg; ++j)
-        for (int64_t l = 0; l < lanes_here; ++l) f(j0 + j, i + l, base + j * L + l);
-    }
-  }
-}
-
-// Writes the blocked state into panels (padded lanes untouched).
-void blocked_to_panels(const BlockedState& S, int64_t V, float* dst) {
-  const int64_t W = block_width();  // == S.W, a compile-time constant here
-  for_each_panel_element(S.K, V, [&](int64_t j, int64_t kk, int64_t off) {
-    const int64_t c0 = j / W * W;
-    dst[off] = S.block(c0)[kk * S.width(c0) + (j - c0)];
-  });
-}
 
 // Copies state (n, hv) of a [N, HV, state] tensor into panels (null: zeros); and back.
 void load_panels(const core::Plan& plan, const float* states, int64_t n, int64_t hv, float* dst) {
@@ -159,197 +34,6 @@ void store_panels(const core::Plan& plan, const float* S, float* states, int64_t
   const int64_t sk = plan.v_first() ? 1 : plan.V, sv = plan.v_first() ? plan.K : 1;
   for_each_panel_element(plan.K, plan.V,
                          [&](int64_t j, int64_t kk, int64_t off) { dst[kk * sk + j * sv] = S[off]; });
-}
-
-// Prefetches the input rows of upcoming tokens while a block is computed: consecutive tokens of
-// one head are a whole [H, K] row apart, too far for the hardware prefetchers.
-struct RowPrefetch {
-  static constexpr int kMax = 5;
-  const char* base[kMax];
-  int64_t stride[kMax];  // bytes between consecutive tokens
-  int64_t bytes[kMax];   // bytes of one row
-  int count = 0;
-  int64_t rows = 0;  // rows available to prefetch
-
-  template <typename View>
-  void add(const View& v, int64_t b, int64_t t, int64_t h, int64_t n) {
-    base[count] = reinterpret_cast<const char*>(core::element_ptr(v, b, t, h));
-    const int64_t es = static_cast<int64_t>(core::dtype_size(v.dtype));
-    stride[count] = v.stride_t * es;
-    bytes[count] = n * es;
-    ++count;
-  }
-  HWY_INLINE void operator()(int64_t i) const {
-    if (i >= rows) return;
-    for (int x = 0; x < count; ++x) {
-      const char* p = base[x] + i * stride[x];
-      for (int64_t off = 0; off < bytes[x]; off += 64) hwy::Prefetch(p + off);
-      hwy::Prefetch(p + bytes[x] - 1);
-    }
-  }
-};
-
-// The rows of tokens [t_begin, t_begin + n) of one (sequence, value head) that load_chunk_rows reads.
-RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                          int64_t hv, int64_t t_begin, int64_t n) {
-  RowPrefetch pf;
-  if (n <= 0) return pf;
-  const int64_t b = seq.batch_index, t = seq.first_token + t_begin, h = hv / plan.group;
-  pf.add(in.q, b, t, h, plan.K);
-  pf.add(in.k, b, t, h, plan.K);
-  pf.add(in.v, b, t, hv, plan.V);
-  pf.add(in.g, b, t, hv, plan.K);
-  pf.add(in.beta, b, t, hv, 1);
-  pf.rows = n;
-  return pf;
-}
-
-// Runs tokens [0, n) of one block of rows through one column block Sb [K][NV * L].
-// q, k, e: [n][Kp] (e = exp(g)); v, o: [n][Vp], already offset to the block's first column.
-template <int NV, bool kOutput>
-HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* HWY_RESTRICT q,
-                                  const float* HWY_RESTRICT k, const float* HWY_RESTRICT e,
-                                  const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
-                                  float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
-                                  const RowPrefetch* pf) {
-  const DF d;
-  const int64_t L = lanes();
-  const int64_t W = NV * L;
-  VF acc[NV];
-  // Token 0: decay, then u = k^T S1.
-  for (int j = 0; j < NV; ++j) acc[j] = hn::Zero(d);
-  for (int64_t r = 0; r < K; ++r) {
-    float* row = Sb + r * W;
-    const VF ve = hn::Set(d, e[r]);
-    const VF vk = hn::Set(d, k[r]);
-    for (int j = 0; j < NV; ++j) {
-      const VF s = hn::Mul(hn::LoadU(d, row + j * L), ve);
-      acc[j] = hn::MulAdd(vk, s, acc[j]);
-      hn::StoreU(s, d, row + j * L);
-    }
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    if (pf != nullptr) (*pf)(t);
-    const float* kt = k + t * Kp;
-    const float* qt = q + t * Kp;
-    const VF vb = hn::Set(d, beta[t]);
-    VF res[NV], out[NV];
-    for (int j = 0; j < NV; ++j) {
-      res[j] = hn::Mul(vb, hn::Sub(hn::LoadU(d, v + t * Vp + j * L), acc[j]));
-      out[j] = hn::Zero(d);
-      acc[j] = hn::Zero(d);
-    }
-    if (t + 1 < n) {
-      // Update with r_t and read out o_t, then decay for token t+1 and accumulate k_{t+1}^T S1.
-      const float* en = e + (t + 1) * Kp;
-      const float* kn = k + (t + 1) * Kp;
-      for (int64_t r = 0; r < K; ++r) {
-        float* row = Sb + r * W;
-        const VF vk = hn::Set(d, kt[r]);
-        const VF vq = hn::Set(d, qt[r]);
-        const VF ve = hn::Set(d, en[r]);
-        const VF vkn = hn::Set(d, kn[r]);
-        for (int j = 0; j < NV; ++j) {
-          VF s = hn::MulAdd(vk, res[j], hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) out[j] = hn::MulAdd(vq, s, out[j]);
-          s = hn::Mul(s, ve);
-          acc[j] = hn::MulAdd(vkn, s, acc[j]);
-          hn::StoreU(s, d, row + j * L);
-        }
-      }
-    } else {
-      for (int64_t r = 0; r < K; ++r) {
-        float* row = Sb + r * W;
-        const VF vk = hn::Set(d, kt[r]);
-        const VF vq = hn::Set(d, qt[r]);
-        for (int j = 0; j < NV; ++j) {
-          const VF s = hn::MulAdd(vk, res[j], hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) out[j] = hn::MulAdd(vq, s, out[j]);
-          hn::StoreU(s, d, row + j * L);
-        }
-      }
-    }
-    if constexpr (kOutput) {
-      const VF vs = hn::Set(d, scale);
-      for (int j = 0; j < NV; ++j) hn::StoreU(hn::Mul(vs, out[j]), d, o + t * Vp + j * L);
-    }
-  }
-}
-
-template <bool kOutput>
-void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* q,
-                              const float* k, const float* e, const float* beta, const float* v, float* o,
-                              float* Sb, float scale, const RowPrefetch* pf) {
-  switch (nv) {
-    case 1: forward_columns<1, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
-    case 2: forward_columns<2, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
-    case 3:
-      if constexpr (kFwdVectors >= 3)
-        forward_columns<3, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
-      break;
-    case 4:
-      if constexpr (kFwdVectors >= 4)
-        forward_columns<4, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
-      break;
-    default: break;
-  }
-}
-
-// exp(g) in place over rows [0, n) of a [n][Kp] tile (padded lanes become 1; never used).
-void exp_rows(float* g, int64_t n, int64_t Kp) {
-  const DF d;
-  const int64_t L = lanes();
-  for (int64_t i = 0; i < n * Kp; i += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + i)), d, g + i);
-}
-
-// Per-thread memory of the forward walk over one (sequence, value head).
-struct ForwardWork {
-  int64_t K, V, Kp, Vp;
-  Buffer<float> S;                    // blocked state, K * Vp
-  Buffer<float> q, k, v, e, beta, o;  // rows of one block of up to kC tokens
-  ForwardWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)) {
-    S.reset(K * Vp);
-    q.reset(kC * Kp), k.reset(kC * Kp), e.reset(kC * Kp), v.reset(kC * Vp), o.reset(kC * Vp), beta.reset(kC);
-  }
-  BlockedState state() const { return {K, Vp, block_width(), S.data()}; }
-};
-
-// Walks one (sequence, value head) forward. With `out` it writes o, chunk_states and final_state;
-// without it (the backward's checkpoint pass) it writes the state entering every segment, in
-// panels, into ckpt.
-template <bool kOutput>
-void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out,
-                      int64_t n_seq, int64_t hv, ForwardWork& w, float* ckpt) {
-  const core::Sequence& seq = plan.sequences[n_seq];
-  const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
-  const BlockedState S = w.state();
-  const int64_t L = lanes();
-  load_blocked(plan, in.initial_state, n_seq, hv, S);
-  ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
-  for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += kC, ++c) {
-    const int64_t n = std::min(kC, seq.length - t0);
-    if constexpr (kOutput) {
-      if (out->chunk_states != nullptr) store_blocked(plan, S, out->chunk_states, seq.first_chunk + c, hv);
-    } else {
-      blocked_to_panels(S, V, ckpt + c * V * Kp);
-    }
-    load_chunk_rows(plan, in, seq, hv, t0, n, rows);
-    exp_rows(w.e.data(), n, Kp);
-    const RowPrefetch pf = rows_prefetch(plan, in, seq, hv, t0 + kC, std::min(kC, seq.length - t0 - kC));
-    for (int64_t c0 = 0; c0 < Vp; c0 += S.W) {
-      const int nv = static_cast<int>(S.width(c0) / L);
-      forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, w.q.data(), w.k.data(), w.e.data(), w.beta.data(),
-                                        w.v.data() + c0, w.o.data() + c0, S.block(c0), plan.scale,
-                                        c0 == 0 ? &pf : nullptr);
-    }
-    if constexpr (kOutput) {
-      for (int64_t i = 0; i < n; ++i)
-        core::store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
-    }
-  }
-  if constexpr (kOutput) {
-    if (out->final_state != nullptr) store_blocked(plan, S, out->final_state, n_seq, hv);
-  }
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -807,16 +491,6 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 
 }  // namespace
 
-void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                      int num_threads) {
-  const int64_t items = plan.num_sequences() * plan.HV;
-  auto work = core::make_workspaces<ForwardWork>(items, num_threads, plan.K, plan.V);
-  core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
-    forward_sequence<true>(plan, in, &out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)],
-                           nullptr);
-  });
-}
-
 void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                        int num_threads) {
   const int64_t N = plan.num_sequences(), HV = plan.HV, K = plan.K;
@@ -856,13 +530,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace kda::cpu {
-HWY_EXPORT(RecurrentForward);
 HWY_EXPORT(RecurrentBackward);
-
-void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                       int num_threads) {
-  HWY_DYNAMIC_DISPATCH(RecurrentForward)(plan, in, out, num_threads);
-}
 
 void recurrent_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                         int num_threads) {
