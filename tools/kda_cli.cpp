@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli_args.hpp"
 #include "demo_inputs.hpp"
 #include "kda/kda.hpp"
 #include "kda/reference.hpp"
@@ -68,17 +69,10 @@ struct Options {
   bool backward = true;
 };
 
-[[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "kda: %s (see kda --help)\n", message.c_str());
-  std::exit(2);
-}
+[[noreturn]] void usage_error(const std::string& message) { kda_demo::usage_error("kda", message); }
 
 int64_t parse_positive(const std::string& flag, const char* value) {
-  char* end = nullptr;
-  const long long v = std::strtoll(value, &end, 10);
-  if (*value == '\0' || *end != '\0' || v <= 0)
-    usage_error(flag + " expects a positive integer, got '" + value + "'");
-  return v;
+  return kda_demo::parse_positive("kda", flag, value);
 }
 
 Options parse(int argc, char** argv) {
