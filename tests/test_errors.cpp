@@ -127,6 +127,8 @@ TEST_F(Errors, ValidCallIsAccepted) {
   // The unbroken call works (guards every other test of this file against a broken fixture).
   EXPECT_NO_THROW(chunk_forward(p, in, out, RunOptions{1}));
   EXPECT_NO_THROW(recurrent_forward(p, in, out, RunOptions{1}));
+  EXPECT_NO_THROW(chunk_backward(p, bin, bout, RunOptions{1}));
+  EXPECT_NO_THROW(recurrent_backward(p, bin, bout, RunOptions{1}));
 }
 
 TEST_F(Errors, ProblemShapes) {
