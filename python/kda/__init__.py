@@ -1,0 +1,37 @@
+"""kda: exact Kimi Delta Attention kernels (C++ engine) for PyTorch and any DLPack array.
+
+The torch layer, drop-in for flash-linear-attention's functions of the same names::
+
+    from kda import chunk_kda, fused_recurrent_kda, fused_kda_gate
+
+``kda.engine`` is the engine itself over DLPack / buffer-protocol arrays (NumPy, torch) with
+caller-allocated outputs; it needs no torch. The torch layer (``kda.functional``, ``kda.layers`` for
+the Hugging Face ``kernels`` hub, ``kda.hub`` to build that hub folder) is imported on first use.
+"""
+
+import importlib
+
+from . import _engine as engine
+
+__version__ = "0.1.0"
+
+simd_target = engine.simd_target
+CHUNK_SIZE = engine.CHUNK_SIZE
+MAX_HEAD_DIM = engine.MAX_HEAD_DIM
+
+_TORCH_FUNCTIONS = {"chunk_kda", "fused_recurrent_kda", "fused_kda_gate"}
+_TORCH_MODULES = {"functional", "layers", "hub", "ops"}
+
+__all__ = ["engine", "simd_target", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
+
+
+def __getattr__(name):
+    # Lazy, so that `import kda` needs no torch; relative, so that a copy imported under another name
+    # (the kernels hub loader does that) uses its own modules.
+    if name in _TORCH_FUNCTIONS:
+        return getattr(importlib.import_module(".functional", __name__), name)
+    if name in _TORCH_MODULES:
+        module = importlib.import_module("._ops" if name == "ops" else f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,572 @@
+// kda._engine: the Python binding of the C++ API (nanobind). It takes any DLPack or buffer-protocol
+// array (torch tensors, NumPy arrays, ...) without copying, turns each one into the view the C++ API
+// expects and calls it. It knows nothing of the kernels: problem validation stays in the C++ core
+// (kda::Error becomes ValueError); this file only checks what a raw view cannot carry (the array's
+// device, dtype, rank and its B / T extents, and the full shape of the packed fp32 tensors), so that
+// no pointer handed to the engine can reach outside its array.
+//
+// Outputs are arrays the caller allocated (so a torch caller keeps its own allocator and tensors);
+// they are written in place. The GIL is released while the engine runs.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kda/kda.hpp"
+#include "kda/reference.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+using InArray = nb::ndarray<nb::ro>;  // read-only access is enough for inputs (and admits read-only NumPy)
+using OutArray = nb::ndarray<>;
+using OptIn = std::optional<InArray>;
+using OptOut = std::optional<OutArray>;
+
+[[noreturn]] void fail_value(const std::string& arg, const std::string& what) {
+  throw nb::value_error(("kda: argument '" + arg + "': " + what).c_str());
+}
+
+[[noreturn]] void fail_type(const std::string& arg, const std::string& what) {
+  throw nb::type_error(("kda: argument '" + arg + "': " + what).c_str());
+}
+
+template <typename A>
+std::string shape_string(const A& a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+std::string shape_string(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+std::string dtype_string(nb::dlpack::dtype t) {
+  switch (static_cast<nb::dlpack::dtype_code>(t.code)) {
+    case nb::dlpack::dtype_code::Float: return "float" + std::to_string(t.bits);
+    case nb::dlpack::dtype_code::Bfloat: return "bfloat" + std::to_string(t.bits);
+    case nb::dlpack::dtype_code::Int: return "int" + std::to_string(t.bits);
+    case nb::dlpack::dtype_code::UInt: return "uint" + std::to_string(t.bits);
+    case nb::dlpack::dtype_code::Bool: return "bool";
+    default: return "dtype code " + std::to_string(t.code) + " (" + std::to_string(t.bits) + " bits)";
+  }
+}
+
+bool is_dtype(nb::dlpack::dtype t, nb::dlpack::dtype_code code, int bits) {
+  return t.code == static_cast<uint8_t>(code) && t.bits == bits && t.lanes == 1;
+}
+
+template <typename A>
+void check_on_cpu(const std::string& arg, const A& a) {
+  // Pinned host memory (CUDA / ROCm host) is ordinary memory to the CPU.
+  const int d = a.device_type();
+  if (d != nb::device::cpu::value && d != nb::device::cuda_host::value && d != nb::device::rocm_host::value)
+    fail_value(arg, "kda computes on the CPU; got an array on DLPack device type " + std::to_string(d) +
+                        " (move it to the CPU first)");
+}
+
+// An empty array may have a null data pointer; nothing is read through it, but the engine rejects null
+// views, so empty arrays point here instead.
+char g_empty_array_storage[16];
+
+template <typename A>
+auto data_of(const A& a) {
+  using Ptr = decltype(a.data());
+  return a.size() == 0 ? reinterpret_cast<Ptr>(g_empty_array_storage) : a.data();
+}
+
+// ---- activations: [B, T, heads, dim] (beta: [B, T, heads]) --------------------------------------
+
+struct Extent {
+  int64_t B, T;
+};
+
+kda::DType activation_dtype(const std::string& arg, nb::dlpack::dtype t) {
+  if (is_dtype(t, nb::dlpack::dtype_code::Float, 32)) return kda::DType::f32;
+  if (is_dtype(t, nb::dlpack::dtype_code::Bfloat, 16)) return kda::DType::bf16;
+  fail_type(arg, "expected dtype float32 or bfloat16, got " + dtype_string(t));
+}
+
+// Checks what a view cannot carry (device, dtype, rank, B and T) and fills the view; the view's heads and
+// dim are checked against the problem by the C++ validation.
+template <typename View, typename A>
+View activation_view(const std::string& arg, const A& a, const Extent& e, bool has_dim) {
+  check_on_cpu(arg, a);
+  const size_t rank = has_dim ? 4 : 3;
+  if (a.ndim() != rank)
+    fail_value(arg, std::string("expected a ") + (has_dim ? "4-D [B, T, heads, dim]" : "3-D [B, T, heads]") +
+                        " array, got shape " + shape_string(a));
+  if (static_cast<int64_t>(a.shape(0)) != e.B || static_cast<int64_t>(a.shape(1)) != e.T)
+    fail_value(arg, "expected B = " + std::to_string(e.B) + " and T = " + std::to_string(e.T) +
+                        " (those of q), got shape " + shape_string(a));
+  if (has_dim && a.shape(3) > 1 && a.stride(3) != 1)
+    fail_value(arg,
+               "the last dimension must be contiguous (stride 1), got stride " + std::to_string(a.stride(3)));
+  View v;
+  v.data = data_of(a);
+  v.dtype = activation_dtype(arg, a.dtype());
+  v.stride_b = a.stride(0);
+  v.stride_t = a.stride(1);
+  v.stride_h = a.stride(2);
+  v.heads = static_cast<int64_t>(a.shape(2));
+  v.dim = has_dim ? static_cast<int64_t>(a.shape(3)) : 1;
+  return v;
+}
+
+// ---- packed fp32 (or float64 for the oracle) tensors --------------------------------------------
+
+template <typename A>
+void check_packed(const std::string& arg, const A& a, const std::vector<int64_t>& dims,
+                  nb::dlpack::dtype_code code, int bits, bool numel_only) {
+  check_on_cpu(arg, a);
+  if (!is_dtype(a.dtype(), code, bits))
+    fail_type(arg, std::string("expected dtype ") + (bits == 64 ? "float64" : "float32") + ", got " +
+                       dtype_string(a.dtype()));
+  int64_t want = 1;
+  for (int64_t d : dims) want *= d;
+  if (numel_only) {
+    if (static_cast<int64_t>(a.size()) != want)
+      fail_value(arg, "expected " + std::to_string(want) + " elements " + shape_string(dims) +
+                          ", got shape " + shape_string(a));
+  } else {
+    bool same = a.ndim() == dims.size();
+    for (size_t i = 0; same && i < dims.size(); ++i) same = static_cast<int64_t>(a.shape(i)) == dims[i];
+    if (!same) fail_value(arg, "expected shape " + shape_string(dims) + ", got " + shape_string(a));
+  }
+  // Packed (C-contiguous) strides; dimensions of extent 1 may carry any stride.
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect)
+      fail_value(arg,
+                 "expected a contiguous array, got strides that are not packed for shape " + shape_string(a));
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+}
+
+const float* packed_in(const char* arg, const OptIn& a, const std::vector<int64_t>& dims,
+                       bool numel_only = false) {
+  if (!a) return nullptr;
+  check_packed(arg, *a, dims, nb::dlpack::dtype_code::Float, 32, numel_only);
+  return static_cast<const float*>(data_of(*a));
+}
+
+float* packed_out(const char* arg, const OptOut& a, const std::vector<int64_t>& dims,
+                  bool numel_only = false) {
+  if (!a) return nullptr;
+  check_packed(arg, *a, dims, nb::dlpack::dtype_code::Float, 32, numel_only);
+  return static_cast<float*>(data_of(*a));
+}
+
+// ---- the problem -------------------------------------------------------------------------------
+
+// Options of a call that are not shapes; the shapes come from q and v.
+struct Options {
+  OptIn cu_seqlens;
+  std::optional<float> scale;
+  bool state_v_first;
+  bool qk_l2norm;
+  std::string gate;
+  float gate_lower_bound;
+  std::string beta_mode;
+};
+
+kda::GateMode gate_mode(const std::string& name) {
+  if (name == "log_decay") return kda::GateMode::log_decay;
+  if (name == "softplus") return kda::GateMode::softplus;
+  if (name == "lower_bound") return kda::GateMode::lower_bound;
+  fail_value("gate", "expected 'log_decay', 'softplus' or 'lower_bound', got '" + name + "'");
+}
+
+kda::BetaMode beta_mode(const std::string& name) {
+  if (name == "given") return kda::BetaMode::given;
+  if (name == "sigmoid") return kda::BetaMode::sigmoid;
+  if (name == "sigmoid_x2") return kda::BetaMode::sigmoid_x2;
+  fail_value("beta_mode", "expected 'given', 'sigmoid' or 'sigmoid_x2', got '" + name + "'");
+}
+
+// Copies cu_seqlens (int32 or int64, any stride) into `offsets`; the C++ validation checks its values.
+void read_offsets(const InArray& cu, std::vector<int64_t>& offsets) {
+  check_on_cpu("cu_seqlens", cu);
+  if (cu.ndim() != 1)
+    fail_value("cu_seqlens", "expected a 1-D array of N+1 offsets, got shape " + shape_string(cu));
+  const bool i64 = is_dtype(cu.dtype(), nb::dlpack::dtype_code::Int, 64);
+  if (!i64 && !is_dtype(cu.dtype(), nb::dlpack::dtype_code::Int, 32))
+    fail_type("cu_seqlens", "expected dtype int32 or int64, got " + dtype_string(cu.dtype()));
+  // An empty list would read as "not varlen"; every other malformed list is rejected by the C++ validation.
+  if (cu.shape(0) == 0) fail_value("cu_seqlens", "expected at least 2 offsets (N+1 for N sequences), got 0");
+  offsets.resize(cu.shape(0));
+  const char* base = static_cast<const char*>(cu.data());
+  const int64_t step = cu.stride(0) * (i64 ? 8 : 4);
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    const char* at = base + static_cast<int64_t>(i) * step;
+    offsets[i] = i64 ? *reinterpret_cast<const int64_t*>(at) : *reinterpret_cast<const int32_t*>(at);
+  }
+}
+
+// The problem of a call, derived from q [B, T, H, K] and v [B, T, HV, V]; cu_seqlens (int32 or int64) is
+// copied into `offsets`, which must outlive the problem.
+template <typename A>
+kda::Problem make_problem(const A& q, const A& v, const Options& o, std::vector<int64_t>& offsets) {
+  check_on_cpu("q", q);
+  check_on_cpu("v", v);
+  if (q.ndim() != 4) fail_value("q", "expected a 4-D [B, T, H, K] array, got shape " + shape_string(q));
+  if (v.ndim() != 4) fail_value("v", "expected a 4-D [B, T, HV, V] array, got shape " + shape_string(v));
+  kda::Problem p;
+  p.batch = static_cast<int64_t>(q.shape(0));
+  p.seq_len = static_cast<int64_t>(q.shape(1));
+  p.heads = static_cast<int64_t>(q.shape(2));
+  p.key_dim = static_cast<int64_t>(q.shape(3));
+  p.value_heads = static_cast<int64_t>(v.shape(2));
+  p.value_dim = static_cast<int64_t>(v.shape(3));
+  if (o.cu_seqlens) {
+    read_offsets(*o.cu_seqlens, offsets);
+    p.cu_seqlens = offsets;
+  }
+  p.scale = o.scale;
+  p.state_layout = o.state_v_first ? kda::StateLayout::v_first : kda::StateLayout::k_first;
+  p.qk_l2norm = o.qk_l2norm;
+  p.gate = gate_mode(o.gate);
+  p.gate_lower_bound = o.gate_lower_bound;
+  p.beta = beta_mode(o.beta_mode);
+  return p;
+}
+
+// Shapes of the fp32 side tensors of a problem.
+struct SideShapes {
+  std::vector<int64_t> state, chunk_states, A_log, dt_bias;
+};
+
+SideShapes side_shapes(const kda::Problem& p) {
+  const int64_t n = kda::num_sequences(p);  // validates the problem (kda::Error -> ValueError)
+  const int64_t nc = kda::num_chunks(p);
+  const bool vf = p.state_layout == kda::StateLayout::v_first;
+  const int64_t a = vf ? p.value_dim : p.key_dim, b = vf ? p.key_dim : p.value_dim;
+  return {{n, p.value_heads, a, b}, {nc, p.value_heads, a, b}, {p.value_heads}, {p.value_heads * p.key_dim}};
+}
+
+kda::ForwardInputs forward_inputs(const kda::Problem& p, const SideShapes& s, const InArray& q,
+                                  const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
+                                  const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state) {
+  const Extent e{p.batch, p.seq_len};
+  kda::ForwardInputs in;
+  in.q = activation_view<kda::Input>("q", q, e, true);
+  in.k = activation_view<kda::Input>("k", k, e, true);
+  in.v = activation_view<kda::Input>("v", v, e, true);
+  in.g = activation_view<kda::Input>("g", g, e, true);
+  in.beta = activation_view<kda::Input>("beta", beta, e, false);
+  in.A_log = packed_in("A_log", A_log, s.A_log, true);
+  in.dt_bias = packed_in("dt_bias", dt_bias, s.dt_bias, true);
+  in.initial_state = packed_in("initial_state", initial_state, s.state);
+  return in;
+}
+
+using ForwardFn = void (*)(const kda::Problem&, const kda::ForwardInputs&, const kda::ForwardOutputs&,
+                           const kda::RunOptions&);
+using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, const kda::BackwardOutputs&,
+                            const kda::RunOptions&);
+
+void run_forward(ForwardFn fn, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                 const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
+                 const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
+                 const Options& opts, int num_threads) {
+  std::vector<int64_t> offsets;
+  const kda::Problem p = make_problem(q, v, opts, offsets);
+  const SideShapes s = side_shapes(p);
+  const kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  kda::ForwardOutputs out;
+  out.o = activation_view<kda::Output>("o", o, {p.batch, p.seq_len}, true);
+  out.final_state = packed_out("final_state", final_state, s.state);
+  out.chunk_states = packed_out("chunk_states", chunk_states, s.chunk_states);
+  nb::gil_scoped_release release;
+  fn(p, in, out, kda::RunOptions{num_threads});
+}
+
+void run_backward(BackwardFn fn, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                  const InArray& beta, const InArray& d_o, const OutArray& dq, const OutArray& dk,
+                  const OutArray& dv, const OutArray& dg, const OutArray& dbeta, const OptIn& A_log,
+                  const OptIn& dt_bias, const OptIn& initial_state, const OptIn& d_final_state,
+                  const OptIn& chunk_states, const OptOut& d_initial_state, const OptOut& dA_log,
+                  const OptOut& ddt_bias, const Options& opts, int num_threads) {
+  std::vector<int64_t> offsets;
+  const kda::Problem p = make_problem(q, v, opts, offsets);
+  const SideShapes s = side_shapes(p);
+  const Extent e{p.batch, p.seq_len};
+  kda::BackwardInputs in;
+  in.fwd = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  in.d_o = activation_view<kda::Input>("d_o", d_o, e, true);
+  in.d_final_state = packed_in("d_final_state", d_final_state, s.state);
+  in.chunk_states = packed_in("chunk_states", chunk_states, s.chunk_states);
+  kda::BackwardOutputs out;
+  out.dq = activation_view<kda::Output>("dq", dq, e, true);
+  out.dk = activation_view<kda::Output>("dk", dk, e, true);
+  out.dv = activation_view<kda::Output>("dv", dv, e, true);
+  out.dg = activation_view<kda::Output>("dg", dg, e, true);
+  out.dbeta = activation_view<kda::Output>("dbeta", dbeta, e, false);
+  out.d_initial_state = packed_out("d_initial_state", d_initial_state, s.state);
+  out.dA_log = packed_out("dA_log", dA_log, s.A_log, true);
+  out.ddt_bias = packed_out("ddt_bias", ddt_bias, s.dt_bias, true);
+  nb::gil_scoped_release release;
+  fn(p, in, out, kda::RunOptions{num_threads});
+}
+
+// ---- the float64 oracle ------------------------------------------------------------------------
+
+// Copies a float64 array of any strides into a packed vector (empty for a missing array).
+std::vector<double> gather(const char* arg, const OptIn& a, const std::vector<int64_t>& dims,
+                           bool numel_only) {
+  if (!a) return {};
+  check_on_cpu(arg, *a);
+  if (!is_dtype(a->dtype(), nb::dlpack::dtype_code::Float, 64))
+    fail_type(arg,
+              "expected dtype float64 (the oracle computes in float64), got " + dtype_string(a->dtype()));
+  int64_t want = 1;
+  for (int64_t d : dims) want *= d;
+  if (numel_only ? static_cast<int64_t>(a->size()) != want : a->ndim() != dims.size())
+    fail_value(arg, "expected shape " + shape_string(dims) + ", got " + shape_string(*a));
+  for (size_t i = 0; !numel_only && i < dims.size(); ++i)
+    if (static_cast<int64_t>(a->shape(i)) != dims[i])
+      fail_value(arg, "expected shape " + shape_string(dims) + ", got " + shape_string(*a));
+  std::vector<double> out(static_cast<size_t>(want));
+  const double* base = static_cast<const double*>(a->data());
+  const size_t rank = a->ndim();
+  std::vector<int64_t> index(rank, 0);
+  for (int64_t flat = 0; flat < want; ++flat) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < rank; ++d) offset += index[d] * a->stride(d);
+    out[static_cast<size_t>(flat)] = base[offset];
+    for (size_t d = rank; d-- > 0;) {
+      if (++index[d] < static_cast<int64_t>(a->shape(d))) break;
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+// Copies a packed result into a float64 array of the same number of elements, any strides.
+void scatter(const char* arg, const std::vector<double>& src, const OptOut& a) {
+  if (!a) return;
+  check_on_cpu(arg, *a);
+  if (!is_dtype(a->dtype(), nb::dlpack::dtype_code::Float, 64))
+    fail_type(arg, "expected dtype float64, got " + dtype_string(a->dtype()));
+  if (a->size() != src.size())
+    fail_value(arg, "expected " + std::to_string(src.size()) + " elements, got shape " + shape_string(*a));
+  double* base = static_cast<double*>(a->data());
+  const size_t rank = a->ndim();
+  std::vector<int64_t> index(rank, 0);
+  for (size_t flat = 0; flat < src.size(); ++flat) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < rank; ++d) offset += index[d] * a->stride(d);
+    base[offset] = src[flat];
+    for (size_t d = rank; d-- > 0;) {
+      if (++index[d] < static_cast<int64_t>(a->shape(d))) break;
+      index[d] = 0;
+    }
+  }
+}
+
+std::vector<int64_t> activation_dims(const kda::Problem& p, int64_t heads, int64_t dim) {
+  return {p.batch, p.seq_len, heads, dim};
+}
+
+struct OracleCall {
+  kda::Problem problem;
+  std::vector<int64_t> offsets;
+  kda::reference::Inputs in;
+};
+
+void oracle_inputs(OracleCall& c, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                   const InArray& beta, const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
+                   const Options& opts) {
+  c.problem = make_problem(q, v, opts, c.offsets);
+  const kda::Problem& p = c.problem;
+  const SideShapes s = side_shapes(p);
+  c.in.q = gather("q", q, activation_dims(p, p.heads, p.key_dim), false);
+  c.in.k = gather("k", k, activation_dims(p, p.heads, p.key_dim), false);
+  c.in.v = gather("v", v, activation_dims(p, p.value_heads, p.value_dim), false);
+  c.in.g = gather("g", g, activation_dims(p, p.value_heads, p.key_dim), false);
+  c.in.beta = gather("beta", beta, {p.batch, p.seq_len, p.value_heads}, false);
+  c.in.A_log = gather("A_log", A_log, s.A_log, true);
+  c.in.dt_bias = gather("dt_bias", dt_bias, s.dt_bias, true);
+  c.in.initial_state = gather("initial_state", initial_state, s.state, false);
+}
+
+void reference_forward(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                       const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
+                       const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
+                       const Options& opts) {
+  OracleCall c;
+  oracle_inputs(c, q, k, v, g, beta, A_log, dt_bias, initial_state, opts);
+  kda::reference::ForwardResult r;
+  {
+    nb::gil_scoped_release release;
+    r = kda::reference::forward(c.problem, c.in);
+  }
+  scatter("o", r.o, o);
+  scatter("final_state", r.final_state, final_state);
+  scatter("chunk_states", r.chunk_states, chunk_states);
+}
+
+void reference_backward(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                        const InArray& beta, const InArray& d_o, const OutArray& dq, const OutArray& dk,
+                        const OutArray& dv, const OutArray& dg, const OutArray& dbeta, const OptIn& A_log,
+                        const OptIn& dt_bias, const OptIn& initial_state, const OptIn& d_final_state,
+                        const OptOut& d_initial_state, const OptOut& dA_log, const OptOut& ddt_bias,
+                        const Options& opts) {
+  OracleCall c;
+  oracle_inputs(c, q, k, v, g, beta, A_log, dt_bias, initial_state, opts);
+  const kda::Problem& p = c.problem;
+  const SideShapes s = side_shapes(p);
+  const std::vector<double> d_out = gather("d_o", d_o, activation_dims(p, p.value_heads, p.value_dim), false);
+  const std::vector<double> d_final = gather("d_final_state", d_final_state, s.state, false);
+  kda::reference::Gradients r;
+  {
+    nb::gil_scoped_release release;
+    r = kda::reference::backward(p, c.in, d_out, d_final);
+  }
+  scatter("dq", r.dq, dq);
+  scatter("dk", r.dk, dk);
+  scatter("dv", r.dv, dv);
+  scatter("dg", r.dg, dg);
+  scatter("dbeta", r.dbeta, dbeta);
+  scatter("d_initial_state", r.d_initial_state, d_initial_state);
+  if (dA_log || ddt_bias) {
+    if (p.gate == kda::GateMode::log_decay)
+      fail_value(dA_log ? "dA_log" : "ddt_bias",
+                 "only produced by a fused gate (gate 'softplus' or 'lower_bound')");
+    scatter("dA_log", r.dA_log, dA_log);
+    scatter("ddt_bias", r.ddt_bias, ddt_bias);
+  }
+}
+
+// ---- argument lists ------------------------------------------------------------------------------
+
+// The keyword-only arguments every problem-taking function shares, in the order of Options.
+#define KDA_PROBLEM_ARGS                                                                         \
+  nb::arg("cu_seqlens").none() = nb::none(), nb::arg("scale").none() = nb::none(),               \
+  nb::arg("state_v_first") = false, nb::arg("qk_l2norm") = false, nb::arg("gate") = "log_decay", \
+  nb::arg("gate_lower_bound") = -5.0f, nb::arg("beta_mode") = "given"
+
+#define KDA_PROBLEM_PARAMS                                                                            \
+  OptIn cu_seqlens, std::optional<float> scale, bool state_v_first, bool qk_l2norm, std::string gate, \
+      float gate_lower_bound, std::string beta_mode
+
+#define KDA_PROBLEM_OPTIONS \
+  Options { cu_seqlens, scale, state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode }
+
+template <ForwardFn Fn>
+void forward_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                   const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
+                   const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
+                   KDA_PROBLEM_PARAMS, int num_threads) {
+  run_forward(Fn, q, k, v, g, beta, o, A_log, dt_bias, initial_state, final_state, chunk_states,
+              KDA_PROBLEM_OPTIONS, num_threads);
+}
+
+template <BackwardFn Fn>
+void backward_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
+                    const InArray& beta, const InArray& d_o, const OutArray& dq, const OutArray& dk,
+                    const OutArray& dv, const OutArray& dg, const OutArray& dbeta, const OptIn& A_log,
+                    const OptIn& dt_bias, const OptIn& initial_state, const OptIn& d_final_state,
+                    const OptIn& chunk_states, const OptOut& d_initial_state, const OptOut& dA_log,
+                    const OptOut& ddt_bias, KDA_PROBLEM_PARAMS, int num_threads) {
+  run_backward(Fn, q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, A_log, dt_bias, initial_state, d_final_state,
+               chunk_states, d_initial_state, dA_log, ddt_bias, KDA_PROBLEM_OPTIONS, num_threads);
+}
+
+}  // namespace
+
+NB_MODULE(_engine, m) {
+  m.doc() =
+      "kda's C++ engine over DLPack / buffer-protocol arrays (torch, NumPy). Shapes: q, k [B, T, H, K], "
+      "v [B, T, HV, V], g [B, T, HV, K], beta [B, T, HV], states [N, HV, K, V] (or [N, HV, V, K] with "
+      "state_v_first), fp32 A_log [HV], dt_bias [HV*K]. Outputs are caller-allocated arrays, written in "
+      "place.";
+  m.attr("CHUNK_SIZE") = kda::kChunkSize;
+  m.attr("MAX_HEAD_DIM") = kda::kMaxHeadDim;
+  m.def("simd_target", &kda::simd_target, "The SIMD target the kernels dispatched to on this CPU.");
+
+  m.def(
+      "num_chunks",
+      [](int64_t batch, int64_t seq_len, const OptIn& cu_seqlens) {
+        kda::Problem p;  // only the sequence structure matters; the head shapes are placeholders
+        p.batch = batch;
+        p.seq_len = seq_len;
+        p.heads = p.value_heads = p.key_dim = p.value_dim = 1;
+        std::vector<int64_t> offsets;
+        if (cu_seqlens) {
+          read_offsets(*cu_seqlens, offsets);
+          p.cu_seqlens = offsets;
+        }
+        return kda::num_chunks(p);
+      },
+      nb::arg("batch"), nb::arg("seq_len"), nb::arg("cu_seqlens").none() = nb::none(),
+      "Total chunks of the chunked form (the first dimension of chunk_states): sum of ceil(len / "
+      "CHUNK_SIZE).");
+
+  const char* fwd_doc =
+      "(q, k, v, g, beta, o, *, A_log, dt_bias, initial_state, final_state, chunk_states, cu_seqlens, scale, "
+      "state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode, num_threads): writes o (and final_state, "
+      "chunk_states when given).";
+  const char* bwd_doc =
+      "(q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, *, A_log, dt_bias, initial_state, d_final_state, "
+      "chunk_states, d_initial_state, dA_log, ddt_bias, ...problem options, num_threads): writes every "
+      "gradient.";
+
+#define KDA_FORWARD_ARGS                                                                                \
+  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("o"), nb::kw_only(), \
+      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                     \
+      nb::arg("initial_state").none() = nb::none(), nb::arg("final_state").none() = nb::none(),         \
+      nb::arg("chunk_states").none() = nb::none(), KDA_PROBLEM_ARGS
+
+#define KDA_BACKWARD_ARGS                                                                                 \
+  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("d_o"), nb::arg("dq"), \
+      nb::arg("dk"), nb::arg("dv"), nb::arg("dg"), nb::arg("dbeta"), nb::kw_only(),                       \
+      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                       \
+      nb::arg("initial_state").none() = nb::none(), nb::arg("d_final_state").none() = nb::none()
+
+  m.def("chunk_forward", &forward_entry<&kda::chunk_forward>, KDA_FORWARD_ARGS, nb::arg("num_threads") = 0,
+        fwd_doc);
+  m.def("recurrent_forward", &forward_entry<&kda::recurrent_forward>, KDA_FORWARD_ARGS,
+        nb::arg("num_threads") = 0, fwd_doc);
+  m.def("chunk_backward", &backward_entry<&kda::chunk_backward>, KDA_BACKWARD_ARGS,
+        nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
+        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,
+        nb::arg("num_threads") = 0, bwd_doc);
+  m.def("recurrent_backward", &backward_entry<&kda::recurrent_backward>, KDA_BACKWARD_ARGS,
+        nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
+        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,
+        nb::arg("num_threads") = 0, bwd_doc);
+
+  m.def(
+      "reference_forward",
+      [](const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
+         const OutArray& o, const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
+         const OptOut& final_state, const OptOut& chunk_states, KDA_PROBLEM_PARAMS) {
+        reference_forward(q, k, v, g, beta, o, A_log, dt_bias, initial_state, final_state, chunk_states,
+                          KDA_PROBLEM_OPTIONS);
+      },
+      KDA_FORWARD_ARGS, "The float64 oracle's forward: every array float64, any strides.");
+  m.def(
+      "reference_backward",
+      [](const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
+         const InArray& d_o, const OutArray& dq, const OutArray& dk, const OutArray& dv, const OutArray& dg,
+         const OutArray& dbeta, const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
+         const OptIn& d_final_state, const OptOut& d_initial_state, const OptOut& dA_log,
+         const OptOut& ddt_bias, KDA_PROBLEM_PARAMS) {
+        reference_backward(q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, A_log, dt_bias, initial_state,
+                           d_final_state, d_initial_state, dA_log, ddt_bias, KDA_PROBLEM_OPTIONS);
+      },
+      KDA_BACKWARD_ARGS, nb::arg("d_initial_state").none() = nb::none(),
+      nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,
+      "The float64 oracle's exact backward: every array float64, any strides.");
+}
