@@ -1,0 +1,90 @@
+"""Layers for the Hugging Face ``kernels`` hub: transformers' Kimi Linear calls these in place of its
+torch fallbacks ``chunk_kimi_delta_attention`` and ``recurrent_kimi_delta_attention``.
+
+``kernels`` requires a layer without ``__init__``, with no members besides ``has_backward`` and
+``can_torch_compile``, whose ``forward`` has the arguments of the function it replaces. Register them
+with ``kernels.register_kernel_mapping`` (see the README) and call ``model.set_use_kernels(True)``.
+"""
+
+import torch.nn as nn
+
+from .functional import chunk_kda, fused_recurrent_kda
+
+
+class ChunkKimiDeltaAttention(nn.Module):
+    """Prefill and multi-token steps: kda's chunked op (forward and backward)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        # transformers' fallback ignores its other keyword arguments (attention plumbing) and so does
+        # this layer, except packed sequences, which kda keeps apart as fla does.
+        return chunk_kda(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=kwargs.get("cu_seqlens"),
+            chunk_size=chunk_size,
+        )
+
+
+class RecurrentKimiDeltaAttention(nn.Module):
+    """One-token decode steps with a cached state: kda's recurrent op."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        o, state = fused_recurrent_kda(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=kwargs.get("cu_seqlens"),
+        )
+        return o.to(query.dtype), state  # the fallback returns the query's dtype
+
+
+# The layer names a kernel mapping refers to (those of the functions they replace).
+chunk_kimi_delta_attention = ChunkKimiDeltaAttention
+recurrent_kimi_delta_attention = RecurrentKimiDeltaAttention
+
+__all__ = [
+    "ChunkKimiDeltaAttention",
+    "RecurrentKimiDeltaAttention",
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
+]
