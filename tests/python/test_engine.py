@@ -1,0 +1,121 @@
+"""kda.engine, the binding itself: any DLPack / buffer-protocol array (NumPy here), caller-allocated
+outputs written in place, and errors that name the argument, raised before anything is written."""
+
+import kda
+import numpy as np
+import pytest
+import torch
+from harness import Case, make_inputs
+from kda import engine
+
+
+def _numpy_call(case=None):
+    case = case or Case(B=2, T=40, H=2, HV=2, K=16, V=8, regime="mild")
+    tensors, options = make_inputs(case)
+    arrays = {n: t.float().numpy() for n, t in tensors.items()}
+    h0 = options["initial_state"].numpy()
+    o = np.zeros(arrays["v"].shape, np.float32)
+    final = np.zeros(h0.shape, np.float32)
+    return tensors, options, arrays, h0, o, final
+
+
+def test_numpy_arrays_give_the_torch_layer_results():
+    tensors, options, a, h0, o, final = _numpy_call()
+    engine.chunk_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], o, initial_state=h0, final_state=final)
+    with torch.no_grad():
+        o_t, final_t = kda.chunk_kda(**tensors, output_final_state=True, **options)
+    assert np.array_equal(o, o_t.numpy()) and np.array_equal(final, final_t.numpy())
+    assert isinstance(kda.simd_target(), str) and kda.CHUNK_SIZE == 64 and kda.MAX_HEAD_DIM == 256
+
+
+def test_read_only_inputs_are_accepted():
+    _, _, a, h0, o, final = _numpy_call()
+    for x in (*a.values(), h0):
+        x.setflags(write=False)
+    engine.recurrent_forward(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], o, initial_state=h0, final_state=final
+    )
+    assert np.isfinite(o).all() and np.abs(o).sum() > 0
+
+
+def test_num_chunks():
+    assert engine.num_chunks(2, 130) == 6
+    assert engine.num_chunks(1, 130, np.array([0, 1, 1, 65, 130])) == 1 + 0 + 1 + 2
+    assert engine.num_chunks(1, 130, torch.tensor([0, 65, 130], dtype=torch.int32)) == 4
+    with pytest.raises(ValueError, match="'cu_seqlens'"):
+        engine.num_chunks(1, 130, np.array([0, 65, 129]))
+
+
+def test_binding_errors_name_the_argument_and_write_nothing():
+    _, _, a, h0, o, final = _numpy_call()
+    q, k, v, g, beta = (a[n] for n in ("q", "k", "v", "g", "beta"))
+    sentinel = np.full_like(o, 7.0)
+
+    def call(**over):
+        args = dict(q=q, k=k, v=v, g=g, beta=beta, o=o)
+        kw = dict(initial_state=h0, final_state=final)
+        for name, value in over.items():
+            (args if name in args else kw)[name] = value
+        o[...] = 7.0
+        engine.chunk_forward(
+            args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"), args.pop("o"), **kw
+        )
+
+    cases = [
+        (TypeError, "'q': expected dtype float32 or bfloat16, got float64", dict(q=q.astype(np.float64))),
+        (TypeError, "'v': expected dtype float32 or bfloat16, got float16", dict(v=v.astype(np.float16))),
+        (ValueError, "'k': the last dimension must be contiguous", dict(k=np.repeat(k, 2, axis=3)[..., ::2])),
+        (ValueError, "'g': expected B = 2 and T = 40", dict(g=g[:, :39])),
+        (ValueError, "'beta': expected a 3-D", dict(beta=beta[..., None])),
+        (ValueError, "'o': expected B = 2", dict(o=np.zeros((1, 40, 2, 8), np.float32))),
+        (ValueError, "'o': expected dtype f32", None),  # filled below: a bf16 o needs torch
+        (ValueError, "'initial_state': expected shape \\[2, 2, 16, 8\\]", dict(initial_state=h0[:, :, :8])),
+        (TypeError, "'final_state': expected dtype float32", dict(final_state=final.astype(np.float64))),
+        (
+            ValueError,
+            "'final_state': expected a contiguous array",
+            dict(final_state=np.asfortranarray(final)),
+        ),
+        (ValueError, "'o': shares memory with 'v'", dict(o=v)),
+        (
+            ValueError,
+            "'value_heads': expected a multiple of heads",
+            dict(v=np.zeros((2, 40, 3, 8), np.float32)),
+        ),
+    ]
+    for error, message, over in cases:
+        if over is None:
+            continue
+        with pytest.raises(error, match=message):
+            call(**over)
+        if over.get("o") is None:
+            assert np.array_equal(o, sentinel), message  # nothing written
+    with pytest.raises(ValueError, match="'o': expected dtype f32"):
+        engine.chunk_forward(
+            torch.from_numpy(q),
+            torch.from_numpy(k),
+            torch.from_numpy(v),
+            torch.from_numpy(g),
+            torch.from_numpy(beta),
+            torch.zeros(o.shape, dtype=torch.bfloat16),
+        )
+    with pytest.raises(ValueError, match="'gate': expected 'log_decay'"):
+        engine.chunk_forward(q, k, v, g, beta, o, gate="softplus_x")
+    with pytest.raises(ValueError, match="'A_log': required by the fused gate"):
+        engine.chunk_forward(q, k, v, g, beta, o, gate="softplus")
+    with pytest.raises(ValueError, match="'num_threads'"):
+        engine.chunk_forward(q, k, v, g, beta, o, num_threads=-1)
+    # A tensor DLPack cannot export (the meta device has no data) is refused by nanobind's conversion.
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        engine.chunk_forward(torch.zeros(q.shape, device="meta"), k, v, g, beta, o)
+
+
+def test_oracle_binding_needs_float64():
+    _, _, a, h0, o, final = _numpy_call()
+    with pytest.raises(TypeError, match="'q': expected dtype float64"):
+        engine.reference_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], o.astype(np.float64))
+    a64 = {n: x.astype(np.float64) for n, x in a.items()}
+    o64 = np.zeros(o.shape)
+    engine.reference_forward(a64["q"], a64["k"], a64["v"], a64["g"], a64["beta"], o64)
+    engine.chunk_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], o)
+    assert np.abs(o64 - o).max() <= 1e-5 * np.abs(o64).max()

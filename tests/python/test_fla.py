@@ -1,0 +1,166 @@
+"""kda against flash-linear-attention (fla-core 0.6.0, installed as a test dependency): its naive
+PyTorch functions, the only ones that run on the CPU, with autograd through them for the gradients.
+
+fla's naive functions take the log decay and beta as they are and compute in float32, so the fused
+pre-processing (gate, beta sigmoid, L2 norm) is applied here with fla's own gate helpers and torch.
+naive_chunk_kda evaluates exp(G_i - G_j) unmasked and overflows for strong gates: it is compared in
+the mild regimes only (and needs T to be a multiple of 64); naive_recurrent_kda in every regime.
+"""
+
+import kda
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import Case, loss_weights, make_inputs, rel_rms, run
+
+fla_naive = pytest.importorskip("fla.ops.kda.naive")
+fla_gate = pytest.importorskip("fla.ops.kda.gate")
+
+# Both sides compute in float32 with different summation orders: agreement to a few fp32 roundings
+# accumulated over the sequence.
+FLA_FORWARD = 2e-5
+FLA_BACKWARD = 1e-4
+
+
+def _fla_preprocess(tensors, options):
+    """The log decay, beta and normalised q/k that kda's fused options compute, via fla and torch."""
+    q, k, g, beta = tensors["q"], tensors["k"], tensors["g"], tensors["beta"]
+    if options.get("use_gate_in_kernel"):
+        if options.get("lower_bound") is not None:
+            g = fla_gate.naive_kda_lowerbound_gate(
+                g, options["A_log"], options["dt_bias"], options["lower_bound"]
+            )
+        else:
+            g = fla_gate.naive_kda_gate(g, options["A_log"], options["dt_bias"])
+    if options.get("use_beta_sigmoid_in_kernel"):
+        beta = beta.float().sigmoid() * (2.0 if options.get("allow_neg_eigval") else 1.0)
+    if options.get("use_qk_l2norm_in_kernel"):
+        q = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+    return q, k, g, beta
+
+
+def _fla(naive, tensors, options, requires_grad):
+    inputs = {n: t.detach().clone().requires_grad_(requires_grad) for n, t in tensors.items()}
+    opts = dict(options)
+    for name in ("initial_state", "A_log", "dt_bias"):
+        if opts.get(name) is not None:
+            opts[name] = opts[name].detach().clone().requires_grad_(requires_grad)
+            inputs[name] = opts[name]
+    q, k, g, beta = _fla_preprocess(inputs, opts)
+    o, final = naive(
+        q,
+        k,
+        inputs["v"],
+        g,
+        beta,
+        scale=opts.get("scale"),
+        initial_state=opts.get("initial_state"),
+        output_final_state=True,
+    )
+    return o, final, inputs
+
+
+def _compare(function, naive, case):
+    tensors, options = make_inputs(case)
+    o, final, inputs = run(function, tensors, options, requires_grad=True)
+    o_fla, final_fla, inputs_fla = _fla(naive, tensors, options, requires_grad=True)
+    assert rel_rms(o, o_fla) <= FLA_FORWARD
+    assert rel_rms(final, final_fla) <= FLA_FORWARD
+    w_o, w_s = loss_weights(o, final, round_to=o.dtype)
+    ((o.double() * w_o).sum() + (final.double() * w_s).sum()).backward()
+    ((o_fla.double() * w_o).sum() + (final_fla.double() * w_s).sum()).backward()
+    for name, t in inputs.items():
+        assert rel_rms(t.grad, inputs_fla[name].grad) <= FLA_BACKWARD, name
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(B=2, T=100, H=2, HV=4, K=32, V=32, regime=r, seed=i)
+        for i, r in enumerate(("mild", "strong", "zero", "spike", "unbounded", "lower_bound"))
+    ]
+    + [Case(T=1, regime="unbounded"), Case(T=77, K=64, V=16, regime="mild", scale=1.0, initial_state=False)],
+    ids=str,
+)
+def test_recurrent_matches_fla_naive_recurrent(case):
+    _compare("fused_recurrent_kda", fla_naive.naive_recurrent_kda, case)
+
+
+@pytest.mark.parametrize("function", ("chunk_kda", "fused_recurrent_kda"))
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(B=2, T=128, H=2, HV=2, K=32, V=32, regime="mild"),
+        Case(T=64, H=1, HV=2, K=64, V=64, regime="zero"),
+        Case(T=192, regime="mild", initial_state=False, seed=3),
+    ],
+    ids=str,
+)
+def test_chunked_matches_fla_naive_chunk(function, case):
+    _compare(function, fla_naive.naive_chunk_kda, case)
+
+
+def test_chunked_matches_fla_naive_recurrent_in_every_regime():
+    for i, regime in enumerate(("strong", "spike", "unbounded", "lower_bound")):
+        _compare(
+            "chunk_kda",
+            fla_naive.naive_recurrent_kda,
+            Case(T=150, H=2, HV=2, K=32, V=32, regime=regime, seed=i),
+        )
+
+
+@pytest.mark.parametrize("lower_bound", (None, -5.0, -2.0))
+@pytest.mark.parametrize("with_A_log", (True, False))
+def test_gate_matches_fla(lower_bound, with_A_log):
+    if lower_bound is None and not with_A_log:
+        pytest.skip("the softplus gate needs A_log")
+    gen = torch.Generator().manual_seed(0)
+    g = (torch.randn(2, 9, 4, 16, generator=gen) * 3).bfloat16()
+    A_log = torch.randn(4, generator=gen) if with_A_log else None
+    dt_bias = torch.randn(64, generator=gen)
+    ours = [t.clone().requires_grad_() if t is not None else None for t in (g, A_log, dt_bias)]
+    theirs = [t.clone().requires_grad_() if t is not None else None for t in (g, A_log, dt_bias)]
+    y = kda.fused_kda_gate(*ours, lower_bound=lower_bound)
+    if lower_bound is None:
+        y_ref = fla_gate.naive_kda_gate(*theirs)
+    else:
+        y_ref = fla_gate.naive_kda_lowerbound_gate(*theirs, lower_bound=lower_bound)
+    assert y.dtype == torch.float32
+    assert rel_rms(y, y_ref) <= 1e-6
+    w = torch.randn(y.shape, generator=gen)
+    (y * w).sum().backward()
+    (y_ref * w).sum().backward()
+    for a, b in zip(ours, theirs, strict=True):
+        if a is not None:
+            assert a.grad.dtype == a.dtype
+            assert rel_rms(a.grad.float(), b.grad.float()) <= 1e-5
+    assert (
+        kda.fused_kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=torch.bfloat16).dtype
+        == torch.bfloat16
+    )
+
+
+def test_fused_gate_equals_gate_then_kernel():
+    """chunk_kda(use_gate_in_kernel=True) equals fused_kda_gate followed by chunk_kda on the log decay."""
+    tensors, options = make_inputs(Case(T=90, regime="unbounded"))
+    with torch.no_grad():
+        o_fused, s_fused, _ = run("chunk_kda", tensors, options)
+        g = kda.fused_kda_gate(tensors["g"], options["A_log"], options["dt_bias"])
+        unfused = {k: v for k, v in options.items() if k not in ("A_log", "dt_bias", "use_gate_in_kernel")}
+        o, s, _ = run("chunk_kda", dict(tensors, g=g), unfused)
+    assert rel_rms(o_fused, o) <= 2e-6 and rel_rms(s_fused, s) <= 2e-6
+
+
+def test_fla_reference_itself_agrees_with_the_oracle():
+    """Guards the comparison above: fla's naive recurrence is itself within fp32 rounding of kda's
+    float64 oracle (so an agreement with it means something)."""
+    tensors, options = make_inputs(Case(T=100, regime="mild"))
+    with torch.no_grad():
+        o_fla, _, _ = _fla(fla_naive.naive_recurrent_kda, tensors, options, requires_grad=False)
+        t64 = {n: t.double() for n, t in tensors.items()}
+        o64, _ = kda.fused_recurrent_kda(
+            **t64, **dict(options, initial_state=options["initial_state"].double())
+        )
+    assert rel_rms(o_fla, o64) <= FLA_FORWARD
+    assert F.mse_loss(o_fla.double(), o64).item() > 0  # two different computations

@@ -1,0 +1,111 @@
+"""The Hugging Face `kernels` hub layout written by `python -m kda.hub`, loaded by kernels 0.17.2."""
+
+import inspect
+import json
+import subprocess
+import sys
+
+import kda
+import pytest
+import torch
+from harness import Case, make_inputs
+from kda import hub
+
+kernels = pytest.importorskip("kernels")
+kernels_variants = pytest.importorskip("kernels.variants")
+
+
+def test_folder_layout_and_metadata(hub_folder):
+    variant_dir = hub_folder / "build" / hub.variant_name()
+    metadata = json.loads((variant_dir / "metadata.json").read_text())
+    assert metadata["name"] == "kda" and metadata["id"].startswith("_kda_") and metadata["id"].isidentifier()
+    assert isinstance(metadata["version"], int) and metadata["license"]
+    assert metadata["backend"] == {"type": "cpu"} and metadata["python-depends"] == []
+    assert (variant_dir / "kda" / "__init__.py").exists() and (variant_dir / "kda" / "layers.py").exists()
+    assert list((variant_dir / "kda").glob("_engine.*"))
+
+
+def test_kernels_picks_this_variant(hub_folder):
+    found = kernels_variants.get_variants_local(hub_folder / "build")
+    chosen, _ = kernels_variants.resolve_variant(found)
+    assert chosen is not None and chosen.variant_str == hub.variant_name()
+    major, minor = torch.__version__.split(".")[:2]
+    assert hub.variant_name().startswith(f"torch{major}{minor}-cpu-")
+
+
+def test_loaded_module_is_a_separate_copy_with_bitwise_equal_results(hub_folder):
+    module = kernels.get_local_kernel(hub_folder)
+    assert module.__name__ != "kda" and module.ops.NAMESPACE == module.__name__
+    assert module.engine is not kda.engine  # its own copy of the extension
+    case = Case(B=2, T=90, H=2, HV=4, K=16, V=16, regime="unbounded")
+    tensors, options = make_inputs(case)
+    for function in ("chunk_kda", "fused_recurrent_kda"):
+        ours = {n: t.clone().requires_grad_() for n, t in tensors.items()}
+        theirs = {n: t.clone().requires_grad_() for n, t in tensors.items()}
+        o, s = getattr(kda, function)(**ours, output_final_state=True, **options)
+        o_hub, s_hub = getattr(module, function)(**theirs, output_final_state=True, **options)
+        assert torch.equal(o, o_hub) and torch.equal(s, s_hub)
+        (o.sum() + s.sum()).backward()
+        (o_hub.sum() + s_hub.sum()).backward()
+        for n in tensors:
+            assert torch.equal(ours[n].grad, theirs[n].grad), n
+
+
+def test_layers_have_the_reference_signatures(hub_folder):
+    module = kernels.get_local_kernel(hub_folder)
+    chunk = module.layers.chunk_kimi_delta_attention
+    recurrent = module.layers.recurrent_kimi_delta_attention
+    for layer in (chunk, recurrent):
+        assert issubclass(layer, torch.nn.Module) and layer.__init__ is torch.nn.Module.__init__
+        assert layer.has_backward is True and layer.can_torch_compile is True
+    assert list(inspect.signature(chunk.forward).parameters) == [
+        "self",
+        "query",
+        "key",
+        "value",
+        "g",
+        "beta",
+        "chunk_size",
+        "initial_state",
+        "output_final_state",
+        "use_qk_l2norm_in_kernel",
+        "kwargs",
+    ]
+    assert list(inspect.signature(recurrent.forward).parameters) == [
+        "self",
+        "query",
+        "key",
+        "value",
+        "g",
+        "beta",
+        "initial_state",
+        "output_final_state",
+        "use_qk_l2norm_in_kernel",
+        "kwargs",
+    ]
+    transformers_kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    for layer, reference in (
+        (chunk, "chunk_kimi_delta_attention"),
+        (recurrent, "recurrent_kimi_delta_attention"),
+    ):
+        ref = getattr(transformers_kimi, reference)
+        ref_params = list(
+            inspect.signature(inspect.unwrap(ref.forward if hasattr(ref, "forward") else ref)).parameters
+        )
+        assert [p for p in inspect.signature(layer.forward).parameters if p != "self"] == [
+            p for p in ref_params if p != "self"
+        ]
+
+
+def test_command_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kda.hub", str(tmp_path), "--version", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert hub.variant_name() in result.stdout
+    metadata = json.loads((tmp_path / "build" / hub.variant_name() / "metadata.json").read_text())
+    assert metadata["version"] == 3
+    with pytest.raises(ValueError, match="positive integer"):
+        hub.build(tmp_path, version=0)
