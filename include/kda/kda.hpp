@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -95,6 +96,44 @@ struct Output {
 Input make_input(const void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim);
 Output make_output(void* data, DType dtype, const Problem& p, int64_t heads, int64_t dim);
 
+// ---- state pools (serving) ------------------------------------------------------------------
+
+// Element types of index tensors.
+enum class IndexType : int32_t { i32 = 0, i64 = 1 };
+
+// A read-only integer tensor [rows, cols] (cols = 1 for a vector); strides in elements.
+struct IndexView {
+  const void* data = nullptr;
+  IndexType dtype = IndexType::i64;
+  int64_t rows = 0, cols = 1;
+  int64_t stride_row = 1, stride_col = 1;
+};
+
+// Views of packed index tensors [rows] or [rows, cols].
+IndexView make_indices(const int64_t* data, int64_t rows, int64_t cols = 1);
+IndexView make_indices(const int32_t* data, int64_t rows, int64_t cols = 1);
+
+// A pool of recurrent states, one per slot, preallocated by a server: [num_slots, HV, K, V]
+// (StateLayout::k_first) or [num_slots, HV, V, K] (v_first), the problem's layout, fp32 or bf16.
+// A bf16 pool is read into fp32, updated in fp32, and each state written to it rounded once.
+struct StatePool {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t num_slots = 0;
+  int64_t slot_stride = 0;  // elements from one slot to the next (>= HV * K * V); 0: packed
+};
+
+// Pool slots in place of initial_state / final_state (a server's prefill): sequence n starts from
+// the state in slot indices[n] and leaves its final state there. A negative index: start from zeros
+// and store nothing; has_initial_state[n] == 0: start from zeros and store the final state.
+struct PooledStates {
+  StatePool pool;
+  IndexView indices;                           // [N]
+  const uint8_t* has_initial_state = nullptr;  // [N]; optional (null: every sequence reads its slot)
+};
+
+// ---- calls ------------------------------------------------------------------------------------
+
 struct ForwardInputs {
   Input q, k;                            // [B, T, H, K]
   Input v;                               // [B, T, HV, V]
@@ -103,12 +142,37 @@ struct ForwardInputs {
   const float* A_log = nullptr;          // [HV], fused gates only
   const float* dt_bias = nullptr;        // [HV * K], fused gates only; optional (null = zeros)
   const float* initial_state = nullptr;  // [N, HV, state]; optional (null = zeros)
+  // Serving: initial and final states in pool slots (forward calls only; initial_state and
+  // ForwardOutputs::final_state must then be null).
+  const PooledStates* pooled_states = nullptr;
 };
 
 struct ForwardOutputs {
   Output o;                       // [B, T, HV, V]; its dtype must be v's dtype
   float* final_state = nullptr;   // [N, HV, state]; optional
   float* chunk_states = nullptr;  // [num_chunks(p), HV, state]: state entering every chunk; optional
+};
+
+// Batched decode on a state pool: N requests (the batch, or the sequences of cu_seqlens, which may
+// be empty) x HV value heads, each request one token or a few speculative ones, states read from and
+// written to pool slots in place.
+//  - state_indices [N] (cols 1): request n starts from slot indices[n] and its final state is
+//    written back there.
+//  - state_indices [N, C] (C >= the longest request): request n starts from slot
+//    indices[n, num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens), and the state
+//    after its token t is written to slot indices[n, t] (not when that index is negative).
+//  - A negative starting index marks a padding row: nothing is read or written, its output rows are
+//    zero.
+// Errors (before anything is written): an index >= the pool's slots, a slot written twice, a slot
+// one request reads and another writes, num_accepted_tokens outside 1..C.
+struct DecodeInputs {
+  ForwardInputs fwd;              // q, k, v, g, beta, A_log, dt_bias (no initial_state, no pooled_states)
+  IndexView state_indices;        // [N] or [N, C]
+  IndexView num_accepted_tokens;  // [N]; optional (null data: speculative decoding off)
+};
+
+struct DecodeOutputs {
+  Output o;  // [B, T, HV, V]; dtype of v
 };
 
 struct BackwardInputs {
@@ -130,8 +194,30 @@ struct BackwardOutputs {
   float* ddt_bias = nullptr;         // [HV * K]; fused gates only, optional
 };
 
+// Where calls run: a pool of worker threads, created on first need and kept, and per-thread working
+// memory kept between calls, so that a stream of calls (decode steps) creates no thread and
+// allocates nothing after the first. Calls on one context run one at a time (a call from another
+// thread waits); use one context per concurrent caller for concurrency. Context::global() serves
+// calls that name none. A process that forks gets fresh threads in the child.
+class Context {
+ public:
+  Context();
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  static Context& global();
+
+  struct Impl;
+  Impl* impl() const { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 struct RunOptions {
-  int num_threads = 0;  // 0: KDA_NUM_THREADS if set, else the hardware concurrency
+  int num_threads = 0;         // 0: KDA_NUM_THREADS if set, else the hardware concurrency
+  Context* context = nullptr;  // null: Context::global()
 };
 
 // The SIMD target the CPU kernels run on this machine, picked at run time (e.g. "AVX3" for AVX-512,
@@ -155,5 +241,8 @@ void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOu
 // Token-by-token backward.
 void recurrent_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                         const RunOptions& opt = {});
+// Batched decode on a state pool (see DecodeInputs): the serving path.
+void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
+            const RunOptions& opt = {});
 
 }  // namespace kda

@@ -1,8 +1,10 @@
 // The C ABI (include/kda/kda.h): converts the C structs into the C++ ones and calls the C++ API.
 // No exception crosses this boundary: each one becomes a status code plus a thread-local message.
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "kda/kda.h"
@@ -24,6 +26,15 @@ static_assert(KDA_BETA_SIGMOID_X2 == static_cast<int>(kda::BetaMode::sigmoid_x2)
 static_assert(KDA_MAX_HEAD_DIM == kda::kMaxHeadDim);
 static_assert(KDA_CHUNK_SIZE == kda::kChunkSize);
 
+static_assert(KDA_INDEX_I32 == static_cast<int>(kda::IndexType::i32));
+static_assert(KDA_INDEX_I64 == static_cast<int>(kda::IndexType::i64));
+
+// A valid call this build cannot carry out (a field of a newer version of a struct, say).
+class NotSupported : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A fixed buffer rather than a std::string: recording an error must never allocate, so it cannot
 // fail while reporting an out-of-memory error.
 thread_local char g_last_error[2048] = "";
@@ -36,10 +47,25 @@ void set_error(const char* prefix, const char* message) {
   throw kda::Error(std::string(function) + ": argument '" + arg + "' is NULL (expected a " + type + ")");
 }
 
+// Reads a caller's struct (see Versioning in kda.h): struct_size 0 means this build's layout; fields a
+// newer header added must be zero (else the call asks for something this build does not have).
 template <typename T>
-const T& deref(const T* ptr, const char* function, const char* arg, const char* type) {
+T read_struct(const T* ptr, const char* function, const char* arg, const char* type) {
   if (ptr == nullptr) null_argument(function, arg, type);
-  return *ptr;
+  const size_t size = ptr->struct_size == 0 ? sizeof(T) : ptr->struct_size;
+  if (size < sizeof(T))
+    throw kda::Error(std::string(function) + ": argument '" + arg + "': struct_size " + std::to_string(size) +
+                     " is smaller than any " + type + " layout (" + std::to_string(sizeof(T)) +
+                     "); initialise it with its KDA_..._INIT macro");
+  T out{};
+  std::memcpy(static_cast<void*>(&out), ptr, sizeof(T));
+  const unsigned char* extra = reinterpret_cast<const unsigned char*>(ptr) + sizeof(T);
+  for (size_t i = 0; i < size - sizeof(T); ++i)
+    if (extra[i] != 0)
+      throw NotSupported(std::string(function) + ": argument '" + arg + "': sets fields of a newer " + type +
+                         " (struct_size " + std::to_string(size) + ") that kda " + KDA_VERSION_STRING +
+                         " does not have");
+  return out;
 }
 
 // Runs `body`, turning every exception into a status code and a message.
@@ -52,6 +78,9 @@ kda_status guarded(Body&& body) noexcept {
   } catch (const kda::Error& e) {
     set_error("", e.what());
     return KDA_ERROR_INVALID_ARGUMENT;
+  } catch (const NotSupported& e) {
+    set_error("", e.what());
+    return KDA_ERROR_NOT_SUPPORTED;
   } catch (const std::bad_alloc&) {
     set_error("", "kda: out of memory");
     return KDA_ERROR_OUT_OF_MEMORY;
@@ -99,18 +128,44 @@ kda::Output to_cpp(const kda_output& c) {
                      c.dim};
 }
 
-kda::ForwardInputs to_cpp(const kda_forward_inputs& c) {
-  kda::ForwardInputs in;
-  in.q = to_cpp(c.q);
-  in.k = to_cpp(c.k);
-  in.v = to_cpp(c.v);
-  in.g = to_cpp(c.g);
-  in.beta = to_cpp(c.beta);
-  in.A_log = c.A_log;
-  in.dt_bias = c.dt_bias;
-  in.initial_state = c.initial_state;
-  return in;
+kda::IndexView to_cpp(const kda_index_view& c) {
+  return kda::IndexView{c.data,      static_cast<kda::IndexType>(c.dtype), c.rows, c.cols, c.stride_row,
+                        c.stride_col};
 }
+
+kda::StatePool to_cpp(const kda_state_pool& c) {
+  return kda::StatePool{c.data, static_cast<kda::DType>(c.dtype), c.num_slots, c.slot_stride};
+}
+
+// The C++ forms of a call's structs, with the storage the pointers among them need.
+struct Call {
+  const char* function;
+  kda::ForwardInputs fwd;
+  kda::PooledStates pooled;
+
+  explicit Call(const char* name) : function(name) {}
+
+  const kda::ForwardInputs& forward_inputs(const kda_forward_inputs* ptr, const char* arg) {
+    const kda_forward_inputs c = read_struct(ptr, function, arg, "kda_forward_inputs");
+    fwd.q = to_cpp(c.q);
+    fwd.k = to_cpp(c.k);
+    fwd.v = to_cpp(c.v);
+    fwd.g = to_cpp(c.g);
+    fwd.beta = to_cpp(c.beta);
+    fwd.A_log = c.A_log;
+    fwd.dt_bias = c.dt_bias;
+    fwd.initial_state = c.initial_state;
+    if (c.pooled_states != nullptr) {
+      const kda_pooled_states ps =
+          read_struct(c.pooled_states, function, "pooled_states", "kda_pooled_states");
+      pooled.pool = to_cpp(read_struct(ps.pool, function, "pooled_states.pool", "kda_state_pool"));
+      pooled.indices = to_cpp(ps.indices);
+      pooled.has_initial_state = ps.has_initial_state;
+      fwd.pooled_states = &pooled;
+    }
+    return fwd;
+  }
+};
 
 kda::ForwardOutputs to_cpp(const kda_forward_outputs& c) {
   kda::ForwardOutputs out;
@@ -118,15 +173,6 @@ kda::ForwardOutputs to_cpp(const kda_forward_outputs& c) {
   out.final_state = c.final_state;
   out.chunk_states = c.chunk_states;
   return out;
-}
-
-kda::BackwardInputs to_cpp(const kda_backward_inputs& c) {
-  kda::BackwardInputs in;
-  in.fwd = to_cpp(c.fwd);
-  in.d_o = to_cpp(c.d_o);
-  in.d_final_state = c.d_final_state;
-  in.chunk_states = c.chunk_states;
-  return in;
 }
 
 kda::BackwardOutputs to_cpp(const kda_backward_outputs& c) {
@@ -142,9 +188,20 @@ kda::BackwardOutputs to_cpp(const kda_backward_outputs& c) {
   return out;
 }
 
-kda::RunOptions to_cpp(const kda_run_options* c) {
+}  // namespace
+
+struct kda_context {
+  kda::Context context;
+};
+
+namespace {
+
+kda::RunOptions to_cpp(const kda_run_options* c, const char* function) {
   kda::RunOptions opt;
-  if (c != nullptr) opt.num_threads = c->num_threads;
+  if (c == nullptr) return opt;
+  const kda_run_options o = read_struct(c, function, "options", "kda_run_options");
+  opt.num_threads = o.num_threads;
+  opt.context = o.context != nullptr ? &o.context->context : nullptr;
   return opt;
 }
 
@@ -156,20 +213,27 @@ using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, con
 kda_status forward(const char* name, ForwardFn fn, const kda_problem* p, const kda_forward_inputs* inputs,
                    const kda_forward_outputs* outputs, const kda_run_options* options) {
   return guarded([&] {
-    const kda::Problem problem = to_cpp(deref(p, name, "p", "kda_problem*"));
-    const kda::ForwardInputs in = to_cpp(deref(inputs, name, "inputs", "kda_forward_inputs*"));
-    const kda::ForwardOutputs out = to_cpp(deref(outputs, name, "outputs", "kda_forward_outputs*"));
-    fn(problem, in, out, to_cpp(options));
+    Call call(name);
+    const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
+    const kda::ForwardInputs& in = call.forward_inputs(inputs, "inputs");
+    const kda::ForwardOutputs out = to_cpp(read_struct(outputs, name, "outputs", "kda_forward_outputs"));
+    fn(problem, in, out, to_cpp(options, name));
   });
 }
 
 kda_status backward(const char* name, BackwardFn fn, const kda_problem* p, const kda_backward_inputs* inputs,
                     const kda_backward_outputs* outputs, const kda_run_options* options) {
   return guarded([&] {
-    const kda::Problem problem = to_cpp(deref(p, name, "p", "kda_problem*"));
-    const kda::BackwardInputs in = to_cpp(deref(inputs, name, "inputs", "kda_backward_inputs*"));
-    const kda::BackwardOutputs out = to_cpp(deref(outputs, name, "outputs", "kda_backward_outputs*"));
-    fn(problem, in, out, to_cpp(options));
+    Call call(name);
+    const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
+    const kda_backward_inputs c = read_struct(inputs, name, "inputs", "kda_backward_inputs");
+    kda::BackwardInputs in;
+    in.fwd = call.forward_inputs(c.fwd, "inputs.fwd");
+    in.d_o = to_cpp(c.d_o);
+    in.d_final_state = c.d_final_state;
+    in.chunk_states = c.chunk_states;
+    const kda::BackwardOutputs out = to_cpp(read_struct(outputs, name, "outputs", "kda_backward_outputs"));
+    fn(problem, in, out, to_cpp(options, name));
   });
 }
 
@@ -187,6 +251,7 @@ const char* kda_status_string(kda_status status) {
     case KDA_ERROR_INVALID_ARGUMENT: return "KDA_ERROR_INVALID_ARGUMENT";
     case KDA_ERROR_OUT_OF_MEMORY: return "KDA_ERROR_OUT_OF_MEMORY";
     case KDA_ERROR_INTERNAL: return "KDA_ERROR_INTERNAL";
+    case KDA_ERROR_NOT_SUPPORTED: return "KDA_ERROR_NOT_SUPPORTED";
   }
   return "unknown kda_status";
 }
@@ -194,6 +259,7 @@ const char* kda_status_string(kda_status status) {
 kda_problem kda_problem_default(void) {
   const kda::Problem d;
   kda_problem p{};
+  p.struct_size = sizeof(kda_problem);
   p.batch = d.batch;
   p.seq_len = d.seq_len;
   p.heads = d.heads;
@@ -247,9 +313,29 @@ kda_output kda_make_output(void* data, int32_t dtype, const kda_problem* p, int6
   return view;
 }
 
+kda_index_view kda_make_indices(const void* data, int32_t dtype, int64_t rows, int64_t cols) {
+  kda_index_view view{};
+  view.data = data;
+  view.dtype = dtype;
+  view.rows = rows;
+  view.cols = cols;
+  view.stride_row = cols;
+  view.stride_col = 1;
+  return view;
+}
+
+kda_status kda_context_create(kda_context** out) {
+  return guarded([&] {
+    if (out == nullptr) null_argument("kda_context_create", "out", "kda_context**");
+    *out = new kda_context();
+  });
+}
+
+void kda_context_destroy(kda_context* context) { delete context; }
+
 kda_status kda_num_sequences(const kda_problem* p, int64_t* out) {
   return guarded([&] {
-    const kda::Problem problem = to_cpp(deref(p, "kda_num_sequences", "p", "kda_problem*"));
+    const kda::Problem problem = to_cpp(read_struct(p, "kda_num_sequences", "p", "kda_problem"));
     if (out == nullptr) null_argument("kda_num_sequences", "out", "int64_t*");
     *out = kda::num_sequences(problem);
   });
@@ -257,7 +343,7 @@ kda_status kda_num_sequences(const kda_problem* p, int64_t* out) {
 
 kda_status kda_num_chunks(const kda_problem* p, int64_t* out) {
   return guarded([&] {
-    const kda::Problem problem = to_cpp(deref(p, "kda_num_chunks", "p", "kda_problem*"));
+    const kda::Problem problem = to_cpp(read_struct(p, "kda_num_chunks", "p", "kda_problem"));
     if (out == nullptr) null_argument("kda_num_chunks", "out", "int64_t*");
     *out = kda::num_chunks(problem);
   });
@@ -281,6 +367,24 @@ kda_status kda_chunk_backward(const kda_problem* p, const kda_backward_inputs* i
 kda_status kda_recurrent_backward(const kda_problem* p, const kda_backward_inputs* inputs,
                                   const kda_backward_outputs* outputs, const kda_run_options* options) {
   return backward("kda_recurrent_backward", &kda::recurrent_backward, p, inputs, outputs, options);
+}
+
+kda_status kda_decode(const kda_problem* p, const kda_decode_inputs* inputs, const kda_state_pool* pool,
+                      const kda_decode_outputs* outputs, const kda_run_options* options) {
+  return guarded([&] {
+    const char* name = "kda_decode";
+    Call call(name);
+    const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
+    const kda_decode_inputs c = read_struct(inputs, name, "inputs", "kda_decode_inputs");
+    kda::DecodeInputs in;
+    in.fwd = call.forward_inputs(c.fwd, "inputs.fwd");
+    in.state_indices = to_cpp(c.state_indices);
+    in.num_accepted_tokens = to_cpp(c.num_accepted_tokens);
+    const kda::StatePool cpp_pool = to_cpp(read_struct(pool, name, "pool", "kda_state_pool"));
+    kda::DecodeOutputs out;
+    out.o = to_cpp(read_struct(outputs, name, "outputs", "kda_decode_outputs").o);
+    kda::decode(problem, in, cpp_pool, out, to_cpp(options, name));
+  });
 }
 
 }  // extern "C"

@@ -13,6 +13,14 @@ Output make_output(void* data, DType dtype, const Problem& p, int64_t heads, int
   return Output{data, dtype, p.seq_len * heads * dim, heads * dim, dim, heads, dim};
 }
 
+IndexView make_indices(const int64_t* data, int64_t rows, int64_t cols) {
+  return IndexView{data, IndexType::i64, rows, cols, cols, 1};
+}
+
+IndexView make_indices(const int32_t* data, int64_t rows, int64_t cols) {
+  return IndexView{data, IndexType::i32, rows, cols, cols, 1};
+}
+
 const char* simd_target() { return cpu::simd_target(); }
 
 int64_t num_sequences(const Problem& p) { return core::plan_problem(p).num_sequences(); }
@@ -22,25 +30,36 @@ int64_t num_chunks(const Problem& p) { return core::plan_problem(p).total_chunks
 void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
   core::Plan plan = core::plan_forward(p, in, out);
-  cpu::chunk_forward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+  core::Runner run(opt.context, opt.num_threads);
+  cpu::chunk_forward(plan, in, out, run);
 }
 
 void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                        const RunOptions& opt) {
   core::Plan plan = core::plan_forward(p, in, out);
-  cpu::recurrent_forward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+  core::Runner run(opt.context, opt.num_threads);
+  cpu::recurrent_forward(plan, in, out, run);
 }
 
 void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                     const RunOptions& opt) {
   core::Plan plan = core::plan_backward(p, in, out);
-  cpu::chunk_backward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+  core::Runner run(opt.context, opt.num_threads);
+  cpu::chunk_backward(plan, in, out, run);
 }
 
 void recurrent_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                         const RunOptions& opt) {
   core::Plan plan = core::plan_backward(p, in, out);
-  cpu::recurrent_backward(plan, in, out, core::resolve_num_threads(opt.num_threads));
+  core::Runner run(opt.context, opt.num_threads);
+  cpu::recurrent_backward(plan, in, out, run);
+}
+
+void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
+            const RunOptions& opt) {
+  core::Plan plan = core::plan_decode(p, in, pool, out);
+  core::Runner run(opt.context, opt.num_threads);
+  cpu::decode(plan, in, out, run);
 }
 
 }  // namespace kda

@@ -1,10 +1,14 @@
 #include "core/parallel.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -29,8 +33,13 @@ int resolve_num_threads(int requested) {
     const long n = std::strtol(env, &end, 10);
     if (end != env && *end == '\0' && n > 0) return static_cast<int>(std::min<long>(n, kMaxThreads));
   }
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw > 0 ? static_cast<int>(std::min<unsigned>(hw, kMaxThreads)) : 1;
+  // hardware_concurrency() reads the CPU set from the system each time (tens of microseconds, as
+  // long as a one-token decode step): read it once.
+  static const int hardware = [] {
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw > 0 ? static_cast<int>(std::min<unsigned>(hw, kMaxThreads)) : 1;
+  }();
+  return hardware;
 }
 
 namespace {
@@ -58,18 +67,197 @@ class FlushSubnormals {
   unsigned saved_ = 0;
 };
 
+thread_local BlockCache* t_block_cache = nullptr;
+
+// Persistent helper threads. run(n, job) runs job(1..n-1) on helpers while the caller runs job(0).
+// Helpers sleep on a condition variable between jobs; they are created on first need and live as
+// long as the pool.
+class ThreadPool {
+ public:
+  ThreadPool() = default;
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  // job must not throw. Helpers that cannot be created are done without: the caller and the helpers
+  // there are share the items.
+  int run(int n, const std::function<void(int)>& job) {
+    const int helpers = grow(n - 1);
+    if (helpers == 0) {
+      job(0);
+      return 1;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &job;
+      job_helpers_ = helpers;
+      running_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return running_ == 0; });
+    job_ = nullptr;
+    return helpers + 1;
+  }
+
+ private:
+  // Ensures `helpers` threads exist (as many as can be created); returns how many there are for it.
+  int grow(int helpers) {
+    while (static_cast<int>(threads_.size()) < helpers) {
+      const int index = static_cast<int>(threads_.size()) + 1;
+      try {
+        threads_.emplace_back([this, index] { loop(index); });
+      } catch (const std::system_error&) {
+        break;
+      }
+    }
+    return std::min(helpers, static_cast<int>(threads_.size()));
+  }
+
+  void loop(int index) {
+    FlushSubnormals flush;  // for the thread's lifetime: it only ever runs kernels
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (index > job_helpers_) continue;  // not needed for this job
+        job = job_;
+      }
+      (*job)(index);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--running_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int)>* job_ = nullptr;
+  int job_helpers_ = 0;
+  int running_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
 }  // namespace
 
-void parallel_for(int64_t count, int num_threads, const std::function<void(int64_t, int)>& body) {
+BlockCache::~BlockCache() {
+  for (const Block& b : free_) std::free(b.data);
+}
+
+void* BlockCache::acquire(size_t bytes, size_t* capacity) {
+  bytes = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  // The smallest free block that fits; a handful of blocks per worker, so a scan is enough.
+  auto best = free_.end();
+  for (auto it = free_.begin(); it != free_.end(); ++it)
+    if (it->capacity >= bytes && (best == free_.end() || it->capacity < best->capacity)) best = it;
+  if (best != free_.end()) {
+    void* p = best->data;
+    *capacity = best->capacity;
+    free_.erase(best);
+    return p;
+  }
+  void* p = std::aligned_alloc(64, bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  *capacity = bytes;
+  return p;
+}
+
+void BlockCache::release(void* block, size_t capacity) {
+  try {
+    free_.push_back({block, capacity});
+  } catch (...) {
+    std::free(block);
+  }
+}
+
+BlockCache* current_block_cache() { return t_block_cache; }
+
+BlockCacheScope::BlockCacheScope(BlockCache* cache) : saved_(t_block_cache) { t_block_cache = cache; }
+BlockCacheScope::~BlockCacheScope() { t_block_cache = saved_; }
+
+// What a context holds in one process: a process that forks gets a fresh one (the parent's helper
+// threads do not exist in the child, and its locks may be in any state).
+struct ContextState {
+  std::mutex call;  // one call at a time on a context
+  ThreadPool pool;
+  std::vector<std::unique_ptr<BlockCache>> caches;  // by worker index
+};
+
+}  // namespace kda::core
+
+namespace kda {
+
+struct Context::Impl {
+  std::mutex swap;
+  pid_t pid = 0;
+  std::unique_ptr<core::ContextState> state;
+
+  core::ContextState* current() {
+    std::lock_guard<std::mutex> lock(swap);
+    if (state == nullptr || pid != getpid()) {
+      (void)state.release();  // after a fork: the parent's threads and locks are not ours to touch
+      state = std::make_unique<core::ContextState>();
+      pid = getpid();
+    }
+    return state.get();
+  }
+};
+
+Context::Context() : impl_(std::make_unique<Impl>()) {}
+Context::~Context() = default;
+
+Context& Context::global() {
+  // Never destroyed: kda calls may run from other threads while the process exits.
+  static Context* context = new Context();
+  return *context;
+}
+
+}  // namespace kda
+
+namespace kda::core {
+
+Runner::Runner(Context* context, int requested_threads)
+    : state_((context != nullptr ? *context : Context::global()).impl()->current()),
+      lock_(state_->call),
+      threads_(resolve_num_threads(requested_threads)) {
+  if (state_->caches.size() < static_cast<size_t>(threads_))
+    state_->caches.resize(static_cast<size_t>(threads_));
+}
+
+Runner::~Runner() = default;
+
+BlockCache* Runner::cache(int worker) {
+  auto& slot = state_->caches[static_cast<size_t>(worker)];
+  if (slot == nullptr) slot = std::make_unique<BlockCache>();
+  return slot.get();
+}
+
+void Runner::parallel_for(int64_t count, const std::function<void(int64_t, int)>& body) {
   if (count <= 0) return;
-  const int workers = num_workers(count, num_threads);
+  const int workers = num_workers(count, threads_);
+  for (int w = 0; w < workers; ++w) cache(w);  // created here, not concurrently by the workers
   std::atomic<int64_t> next{0};
   std::exception_ptr error;
   std::mutex error_mutex;
-  auto run = [&](int worker) {
-    FlushSubnormals flush;
+  const std::function<void(int)> job = [&](int worker) {
+    BlockCacheScope scope(state_->caches[static_cast<size_t>(worker)].get());
     for (;;) {
-      int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+      const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= count) return;
       try {
         body(item, worker);
@@ -81,17 +269,10 @@ void parallel_for(int64_t count, int num_threads, const std::function<void(int64
       }
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  for (int w = 1; w < workers; ++w) {
-    try {
-      threads.emplace_back(run, w);
-    } catch (const std::system_error&) {
-      break;  // no more threads to be had: the ones running share the items
-    }
+  {
+    FlushSubnormals flush;  // the calling thread's mode is restored afterwards
+    state_->pool.run(workers, job);
   }
-  run(0);
-  for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <sstream>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -178,6 +179,9 @@ class Ranges {
   void floats(const char* name, const void* p, int64_t count, bool output) {
     if (p != nullptr && count > 0) add(name, p, count * static_cast<int64_t>(sizeof(float)), output);
   }
+  void bytes(const char* name, const void* p, int64_t count, bool output) {
+    if (p != nullptr && count > 0) add(name, p, count, output);
+  }
   void check() const {
     for (const Range& o : ranges_) {
       if (!o.output) continue;
@@ -213,6 +217,87 @@ class Ranges {
   std::vector<Range> ranges_;
 };
 
+// ---- state pools ------------------------------------------------------------------------------
+
+void check_indices(const std::string& arg, const IndexView& v, int64_t rows) {
+  if (v.dtype != IndexType::i32 && v.dtype != IndexType::i64)
+    fail(arg, "expected index type i32 or i64, got code " + std::to_string(static_cast<int>(v.dtype)));
+  if (v.rows != rows)
+    fail(arg, "expected " + std::to_string(rows) + " rows (one per sequence), got " + std::to_string(v.rows));
+  if (v.cols < 1) fail(arg, "expected at least 1 column, got " + std::to_string(v.cols));
+  if (v.stride_row < 0 || v.stride_col < 0)
+    fail(arg, "strides must be non-negative, got (" + std::to_string(v.stride_row) + ", " +
+                  std::to_string(v.stride_col) + ")");
+  if (rows > 0 && v.data == nullptr) fail(arg, "null data pointer");
+}
+
+int64_t index_bytes(const IndexView& v) {
+  if (v.rows == 0) return 0;
+  const int64_t last = (v.rows - 1) * v.stride_row + (v.cols - 1) * v.stride_col + 1;
+  return last * (v.dtype == IndexType::i32 ? 4 : 8);
+}
+
+// Elements of one slot of the pool (HV states).
+int64_t slot_elements(const Plan& plan) { return plan.HV * plan.state_size(); }
+
+int64_t slot_stride(const Plan& plan, const StatePool& pool) {
+  return pool.slot_stride == 0 ? slot_elements(plan) : pool.slot_stride;
+}
+
+void check_pool(const Plan& plan, const StatePool& pool) {
+  if (pool.dtype != DType::f32 && pool.dtype != DType::bf16)
+    fail("pool", "expected dtype f32 or bf16, got code " + std::to_string(static_cast<int>(pool.dtype)));
+  if (pool.num_slots < 0) fail("pool", "expected num_slots >= 0, got " + std::to_string(pool.num_slots));
+  if (pool.slot_stride != 0 && pool.slot_stride < slot_elements(plan))
+    fail("pool", "expected slot_stride 0 (packed) or >= HV * K * V = " + std::to_string(slot_elements(plan)) +
+                     ", got " + std::to_string(pool.slot_stride));
+  if (pool.num_slots > 0 && pool.data == nullptr) fail("pool", "null data pointer");
+  int64_t span = 0;
+  if (__builtin_mul_overflow(pool.num_slots, slot_stride(plan, pool), &span) ||
+      __builtin_mul_overflow(span, static_cast<int64_t>(dtype_size(pool.dtype)), &span))
+    fail("pool", "its size reaches beyond the address space");
+}
+
+int64_t pool_bytes(const Plan& plan, const StatePool& pool) {
+  if (pool.num_slots == 0) return 0;
+  return ((pool.num_slots - 1) * slot_stride(plan, pool) + slot_elements(plan)) *
+         static_cast<int64_t>(dtype_size(pool.dtype));
+}
+
+StateRef slot_ref(const Plan& plan, const StatePool& pool, int64_t slot) {
+  char* base = static_cast<char*>(pool.data);
+  return {base + slot * slot_stride(plan, pool) * static_cast<int64_t>(dtype_size(pool.dtype)), pool.dtype};
+}
+
+void check_slot(const std::string& arg, int64_t slot, int64_t num_slots, int64_t row, int64_t col) {
+  if (slot >= num_slots)
+    fail(arg, "index " + std::to_string(slot) + " at [" + std::to_string(row) + ", " + std::to_string(col) +
+                  "] is past the pool's " + std::to_string(num_slots) + " slots");
+}
+
+// Resolves a prefill's pool slots into plan.initial / plan.final.
+void resolve_pooled(Plan& plan, const PooledStates& ps) {
+  const int64_t N = plan.num_sequences();
+  check_pool(plan, ps.pool);
+  check_indices("pooled_states.indices", ps.indices, N);
+  if (ps.indices.cols != 1)
+    fail("pooled_states.indices",
+         "expected one slot per sequence ([N]), got " + std::to_string(ps.indices.cols) + " columns");
+  std::unordered_map<int64_t, int64_t> writer;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t slot = index_at(ps.indices, n, 0);
+    if (slot < 0) continue;
+    check_slot("pooled_states.indices", slot, ps.pool.num_slots, n, 0);
+    if (auto [it, fresh] = writer.emplace(slot, n); !fresh)
+      fail("pooled_states.indices", "slot " + std::to_string(slot) + " is used by sequences " +
+                                        std::to_string(it->second) + " and " + std::to_string(n) +
+                                        "; a slot may hold one sequence's state");
+    const bool read = ps.has_initial_state == nullptr || ps.has_initial_state[n] != 0;
+    if (read) plan.initial[n] = slot_ref(plan, ps.pool, slot);
+    plan.final[n] = slot_ref(plan, ps.pool, slot);
+  }
+}
+
 void add_forward_inputs(Ranges& r, const Plan& plan, const ForwardInputs& in) {
   const Problem& p = plan.problem;
   r.view("q", in.q, {p.batch, p.seq_len, plan.H, plan.K}, false);
@@ -238,6 +323,25 @@ Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutput
   const int64_t state = plan.HV * plan.state_size();
   ranges.floats("final_state", out.final_state, plan.num_sequences() * state, true);
   ranges.floats("chunk_states", out.chunk_states, plan.total_chunks * state, true);
+  const int64_t N = plan.num_sequences();
+  plan.initial.assign(static_cast<size_t>(N), StateRef{});
+  plan.final.assign(static_cast<size_t>(N), StateRef{});
+  if (in.pooled_states != nullptr) {
+    if (in.initial_state != nullptr)
+      fail("initial_state", "must be null with pooled_states (the initial states come from the pool)");
+    if (out.final_state != nullptr)
+      fail("final_state", "must be null with pooled_states (the final states go to the pool)");
+    const PooledStates& ps = *in.pooled_states;
+    resolve_pooled(plan, ps);
+    ranges.bytes("pooled_states.indices", ps.indices.data, index_bytes(ps.indices), false);
+    ranges.bytes("has_initial_state", ps.has_initial_state, ps.has_initial_state ? N : 0, false);
+    ranges.bytes("pool", ps.pool.data, pool_bytes(plan, ps.pool), true);
+  } else {
+    for (int64_t n = 0; n < N; ++n) {
+      plan.initial[n] = plan.packed(in.initial_state, n);
+      plan.final[n] = plan.packed(out.final_state, n);
+    }
+  }
   ranges.check();
   return plan;
 }
@@ -246,6 +350,9 @@ Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOut
   Plan plan = plan_problem(p);
   const ForwardInputs& f = in.fwd;
   check_forward_inputs(plan, f);
+  if (f.pooled_states != nullptr)
+    fail("pooled_states",
+         "not supported by the backward (serving prefill is inference only); pass initial_state");
   check_view("d_o", in.d_o, {p.batch, p.seq_len, plan.HV, plan.V});
   check_same_dtype("d_o", in.d_o.dtype, "v", f.v.dtype);
   check_output("dq", out.dq, {p.batch, p.seq_len, plan.H, plan.K});
@@ -276,6 +383,89 @@ Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOut
   ranges.floats("d_initial_state", out.d_initial_state, plan.num_sequences() * state, true);
   ranges.floats("dA_log", out.dA_log, plan.HV, true);
   ranges.floats("ddt_bias", out.ddt_bias, plan.HV * plan.K, true);
+  ranges.check();
+  plan.initial.resize(static_cast<size_t>(plan.num_sequences()));
+  for (int64_t n = 0; n < plan.num_sequences(); ++n) plan.initial[n] = plan.packed(f.initial_state, n);
+  return plan;
+}
+
+Plan plan_decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out) {
+  Plan plan = plan_problem(p);
+  const ForwardInputs& f = in.fwd;
+  check_forward_inputs(plan, f);
+  if (f.initial_state != nullptr)
+    fail("initial_state", "must be null for decode (the states are in the pool)");
+  if (f.pooled_states != nullptr)
+    fail("pooled_states", "must be null for decode (pass the pool and state_indices)");
+  check_output("o", out.o, {p.batch, p.seq_len, plan.HV, plan.V});
+  check_same_dtype("o", out.o.dtype, "v", f.v.dtype);
+  check_pool(plan, pool);
+  const int64_t N = plan.num_sequences();
+  const IndexView& idx = in.state_indices;
+  check_indices("state_indices", idx, N);
+  const int64_t C = idx.cols;
+  int64_t longest = 0;
+  for (const Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
+  if (C > 1 && C < longest)
+    fail("state_indices", "expected [N] or [N, C] with C >= the longest request (" + std::to_string(longest) +
+                              " tokens), got " + std::to_string(C) + " columns");
+  const IndexView& acc = in.num_accepted_tokens;
+  if (acc.data != nullptr) {
+    check_indices("num_accepted_tokens", acc, N);
+    if (acc.cols != 1)
+      fail("num_accepted_tokens",
+           "expected one count per request ([N]), got " + std::to_string(acc.cols) + " columns");
+  }
+  plan.decode_columns = C;
+  plan.initial.assign(static_cast<size_t>(N), StateRef{});
+  plan.final.assign(static_cast<size_t>(N), StateRef{});
+  plan.padding.assign(static_cast<size_t>(N), 0);
+  if (C > 1) plan.token_states.assign(static_cast<size_t>(N * C), StateRef{});
+  std::unordered_map<int64_t, int64_t> writer;     // slot -> the request writing it
+  std::vector<std::pair<int64_t, int64_t>> reads;  // (slot, request)
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t column = 0;
+    if (acc.data != nullptr) {
+      const int64_t a = index_at(acc, n, 0);
+      if (a < 1 || a > C)
+        fail("num_accepted_tokens", "expected 1.." + std::to_string(C) +
+                                        " (the columns of state_indices), got " + std::to_string(a) +
+                                        " for request " + std::to_string(n));
+      column = a - 1;
+    }
+    const int64_t start = index_at(idx, n, column);
+    if (start < 0) {  // a padding row
+      plan.padding[n] = 1;
+      continue;
+    }
+    check_slot("state_indices", start, pool.num_slots, n, column);
+    reads.emplace_back(start, n);
+    plan.initial[n] = slot_ref(plan, pool, start);
+    const int64_t len = plan.sequences[n].length;
+    const int64_t writes = C == 1 ? (len > 0 ? 1 : 0) : len;
+    for (int64_t t = 0; t < writes; ++t) {
+      const int64_t slot = index_at(idx, n, C == 1 ? 0 : t);
+      if (slot < 0) continue;
+      check_slot("state_indices", slot, pool.num_slots, n, C == 1 ? 0 : t);
+      if (auto [it, fresh] = writer.emplace(slot, n); !fresh)
+        fail("state_indices", "slot " + std::to_string(slot) + " would be written twice (requests " +
+                                  std::to_string(it->second) + " and " + std::to_string(n) + ")");
+      (C == 1 ? plan.final[n] : plan.token_states[n * C + t]) = slot_ref(plan, pool, slot);
+    }
+  }
+  for (const auto& [slot, r] : reads) {
+    auto w = writer.find(slot);
+    if (w != writer.end() && w->second != r)
+      fail("state_indices", "slot " + std::to_string(slot) + " is read by request " + std::to_string(r) +
+                                " and written by request " + std::to_string(w->second) +
+                                "; the result would depend on their order");
+  }
+  Ranges ranges;
+  add_forward_inputs(ranges, plan, f);
+  ranges.bytes("state_indices", idx.data, index_bytes(idx), false);
+  if (acc.data != nullptr) ranges.bytes("num_accepted_tokens", acc.data, index_bytes(acc), false);
+  ranges.view("o", out.o, {p.batch, p.seq_len, plan.HV, plan.V}, true);
+  ranges.bytes("pool", pool.data, pool_bytes(plan, pool), true);
   ranges.check();
   return plan;
 }

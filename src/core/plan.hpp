@@ -20,6 +20,14 @@ struct Sequence {
   int64_t first_chunk;  // index of its first chunk in the per-chunk state tensor
 };
 
+// Where one sequence's states [HV, state] are: a row of a packed fp32 tensor, or a pool slot
+// (fp32 or bf16). Null data: zeros when read, nothing stored when written.
+struct StateRef {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  explicit operator bool() const { return data != nullptr; }
+};
+
 struct Plan {
   Problem problem;
   float scale = 1.0f;
@@ -27,6 +35,14 @@ struct Plan {
   int64_t group = 1;  // HV / H: value heads per query/key head
   std::vector<Sequence> sequences;
   int64_t total_chunks = 0;
+  // Per sequence: its initial state and where its final state goes (plan_forward, plan_backward's
+  // initial states, plan_decode).
+  std::vector<StateRef> initial, final;
+  // Decode: C of the [N, C] state indices (1: the final state is stored, in `final`), the targets of
+  // the state after every token ([N][C], C > 1), and the padding rows.
+  int64_t decode_columns = 1;
+  std::vector<StateRef> token_states;
+  std::vector<uint8_t> padding;
 
   int64_t num_sequences() const { return static_cast<int64_t>(sequences.size()); }
   int64_t state_size() const { return K * V; }
@@ -36,6 +52,10 @@ struct Plan {
   // Element (kk, vv) of one state, whatever the layout.
   int64_t state_index(int64_t kk, int64_t vv) const { return v_first() ? vv * K + kk : kk * V + vv; }
   bool fused_gate() const { return problem.gate != GateMode::log_decay; }
+  // Row n of a packed [N, HV, state] fp32 tensor (null stays null).
+  StateRef packed(const float* states, int64_t n) const {
+    return {states == nullptr ? nullptr : const_cast<float*>(states) + n * HV * K * V, DType::f32};
+  }
 };
 
 // Validates the problem alone (shapes, options, cu_seqlens).
@@ -44,6 +64,14 @@ Plan plan_problem(const Problem& p);
 void check_forward_inputs(const Plan& plan, const ForwardInputs& in);
 Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out);
 Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out);
+Plan plan_decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out);
+
+// Element (r, c) of an index view (validated by the plan functions).
+inline int64_t index_at(const IndexView& v, int64_t r, int64_t c) {
+  const int64_t off = r * v.stride_row + c * v.stride_col;
+  return v.dtype == IndexType::i32 ? static_cast<const int32_t*>(v.data)[off]
+                                   : static_cast<const int64_t*>(v.data)[off];
+}
 
 // ---- element access shared by all paths -------------------------------------------------------
 

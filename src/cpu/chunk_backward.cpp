@@ -109,7 +109,7 @@ void recompute_states(const core::Plan& plan, const ForwardInputs& in, const cor
                       int64_t n_seq, int64_t hv, float* states, BackwardWork& bw) {
   ChunkWork& w = bw.w;
   float* S = states;
-  load_state(plan, in.initial_state, n_seq, hv, S, w.Vp);
+  load_state(plan, plan.initial[n_seq], hv, S, w.Vp);
   for (int64_t t0 = 0; t0 + C < seq.length; t0 += C) {
     prepare_chunk(plan, in, seq, hv, t0, C, w, ChunkNeeds::state_only);
     make_vn_in_place(w, C, S);
@@ -445,9 +445,9 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       if (chunks > 0) recompute_states(plan, in.fwd, seq, n_seq, hv, bw.state(m, 0, chunks), bw);
     } else if (!states_in_place) {
       for (int64_t c = 0; c < chunks; ++c)
-        load_state(plan, in.chunk_states, seq.first_chunk + c, hv, bw.state(m, c, chunks), Vp);
+        load_state(plan, plan.packed(in.chunk_states, seq.first_chunk + c), hv, bw.state(m, c, chunks), Vp);
     }
-    load_state(plan, in.d_final_state, n_seq, hv, bw.dS.data() + m * K * Vp, Vp);
+    load_state(plan, plan.packed(in.d_final_state, n_seq), hv, bw.dS.data() + m * K * Vp, Vp);
   }
   std::fill(bw.dA_log.begin(), bw.dA_log.end(), 0.0);
   std::fill(bw.ddt_bias.begin(), bw.ddt_bias.end(), 0.0);
@@ -474,11 +474,12 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   }
   if (out.d_initial_state != nullptr)
     for (int64_t m = 0; m < group; ++m)
-      store_state(plan, bw.dS.data() + m * K * Vp, Vp, out.d_initial_state, n_seq, h * group + m);
+      store_state(plan, bw.dS.data() + m * K * Vp, Vp, plan.packed(out.d_initial_state, n_seq),
+                  h * group + m);
 }
 
 void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                   int num_threads) {
+                   core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.H;
   // Per-item partial sums of the gate parameter gradients, reduced below in a fixed order.
   std::vector<double> dA_parts, dbias_parts;
@@ -486,14 +487,16 @@ void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const Backw
     dA_parts.assign(static_cast<size_t>(items * plan.group), 0.0);
     dbias_parts.assign(static_cast<size_t>(items * plan.group * plan.K), 0.0);
   }
-  auto work = core::make_workspaces<BackwardWork>(items, num_threads, plan.K, plan.V, plan.group);
+  auto work = run.workspaces<BackwardWork>(items, plan.K, plan.V, plan.group);
   if (!states_used_in_place(plan, in)) {
     int64_t longest = 0;
     for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
     const int64_t chunks = std::max<int64_t>(1, (longest + C - 1) / C);
-    for (auto& w : work) w->states.reset(static_cast<size_t>(plan.group * chunks * plan.K * w->Vp));
+    run.prepare(work, [&](BackwardWork& w) {
+      w.states.reset(static_cast<size_t>(plan.group * chunks * plan.K * w.Vp));
+    });
   }
-  core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
+  run.parallel_for(items, [&](int64_t item, int worker) {
     auto& bw = work[static_cast<size_t>(worker)];
     backward_item(plan, in, out, item / plan.H, item % plan.H, *bw);
     if (plan.fused_gate()) {
@@ -528,8 +531,8 @@ namespace kda::cpu {
 HWY_EXPORT(ChunkBackward);
 
 void chunk_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                    int num_threads) {
-  HWY_DYNAMIC_DISPATCH(ChunkBackward)(plan, in, out, num_threads);
+                    core::Runner& run) {
+  HWY_DYNAMIC_DISPATCH(ChunkBackward)(plan, in, out, run);
 }
 }  // namespace kda::cpu
 #endif

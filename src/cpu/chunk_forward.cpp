@@ -35,10 +35,11 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
   const int64_t K = plan.K, V = plan.V, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
   float* S = fw.S.data();
   float* O = fw.O.data();
-  load_state(plan, in.initial_state, n_seq, hv, S, Vp);
+  load_state(plan, plan.initial[n_seq], hv, S, Vp);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += C, ++c) {
     const int64_t n = std::min(C, seq.length - t0);
-    if (out.chunk_states != nullptr) store_state(plan, S, Vp, out.chunk_states, seq.first_chunk + c, hv);
+    if (out.chunk_states != nullptr)
+      store_state(plan, S, Vp, plan.packed(out.chunk_states, seq.first_chunk + c), hv);
     prepare_chunk(plan, in, seq, hv, t0, n, w);
     make_vn_in_place(w, n, S);
     const float* Vn = w.U();
@@ -51,14 +52,14 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
       core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
     advance_state(w, n, S, S, Vn, ldx);
   }
-  if (out.final_state != nullptr) store_state(plan, S, Vp, out.final_state, n_seq, hv);
+  if (plan.final[n_seq]) store_state(plan, S, Vp, plan.final[n_seq], hv);
 }
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                  int num_threads) {
+                  core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
-  auto work = core::make_workspaces<ForwardWork>(items, num_threads, plan.K, plan.V);
-  core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
+  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V);
+  run.parallel_for(items, [&](int64_t item, int worker) {
     forward_one(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)]);
   });
 }
@@ -74,8 +75,8 @@ HWY_EXPORT(ChunkForward);
 HWY_EXPORT(TargetName);
 
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                   int num_threads) {
-  HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, num_threads);
+                   core::Runner& run) {
+  HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, run);
 }
 
 const char* simd_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }

@@ -78,41 +78,51 @@ struct BlockedState {
   float* block(int64_t c0) const { return data + K * c0; }
 };
 
-// Copies state (n, hv) of a [N, HV, state] tensor (null: zeros) into the blocked state.
-void load_blocked(const core::Plan& plan, const float* states, int64_t n, int64_t hv, const BlockedState& S) {
+// Copies head hv of a sequence's states (f32 or bf16, the problem's layout; null: zeros) into the
+// blocked state.
+void load_blocked(const core::Plan& plan, const core::StateRef& states, int64_t hv, const BlockedState& S) {
   const int64_t K = plan.K, V = plan.V;
-  if (states == nullptr) {
+  if (!states) {
     std::memset(S.data, 0, sizeof(float) * static_cast<size_t>(S.K * S.Vp));
     return;
   }
-  const float* src = states + plan.state_offset(n, hv);
+  const core::StateRef src = head_state(plan, states, hv);
+  const bool plain = !plan.v_first() && src.dtype == DType::f32;
   for (int64_t c0 = 0; c0 < V; c0 += S.W) {
     const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
     float* blk = S.block(c0);
     for (int64_t kk = 0; kk < K; ++kk) {
       float* row = blk + kk * wb;
-      if (plan.v_first()) {
-        for (int64_t j = 0; j < cols; ++j) row[j] = src[(c0 + j) * K + kk];
+      if (plain) {
+        std::memcpy(row, static_cast<const float*>(src.data) + kk * V + c0,
+                    sizeof(float) * static_cast<size_t>(cols));
       } else {
-        std::memcpy(row, src + kk * V + c0, sizeof(float) * static_cast<size_t>(cols));
+        for (int64_t j = 0; j < cols; ++j) row[j] = state_element(src, plan.state_index(kk, c0 + j));
       }
     }
   }
 }
 
 // The inverse of load_blocked.
-void store_blocked(const core::Plan& plan, const BlockedState& S, float* states, int64_t n, int64_t hv) {
+void store_blocked(const core::Plan& plan, const BlockedState& S, const core::StateRef& states, int64_t hv) {
   const int64_t K = plan.K, V = plan.V;
-  float* dst = states + plan.state_offset(n, hv);
+  const core::StateRef dst = head_state(plan, states, hv);
+  const bool plain = !plan.v_first() && dst.dtype == DType::f32;
   for (int64_t c0 = 0; c0 < V; c0 += S.W) {
     const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
     const float* blk = S.block(c0);
-    if (plan.v_first()) {
+    if (plain) {
+      for (int64_t kk = 0; kk < K; ++kk)
+        std::memcpy(static_cast<float*>(dst.data) + kk * V + c0, blk + kk * wb,
+                    sizeof(float) * static_cast<size_t>(cols));
+    } else if (plan.v_first() && dst.dtype == DType::f32) {
+      float* f = static_cast<float*>(dst.data);
       for (int64_t j = 0; j < cols; ++j)
-        for (int64_t kk = 0; kk < K; ++kk) dst[(c0 + j) * K + kk] = blk[kk * wb + j];
+        for (int64_t kk = 0; kk < K; ++kk) f[(c0 + j) * K + kk] = blk[kk * wb + j];
     } else {
       for (int64_t kk = 0; kk < K; ++kk)
-        std::memcpy(dst + kk * V + c0, blk + kk * wb, sizeof(float) * static_cast<size_t>(cols));
+        for (int64_t j = 0; j < cols; ++j)
+          set_state_element(dst, plan.state_index(kk, c0 + j), blk[kk * wb + j]);
     }
   }
 }
@@ -309,12 +319,13 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
   const BlockedState S = w.state();
   const int64_t L = lanes();
-  load_blocked(plan, in.initial_state, n_seq, hv, S);
+  load_blocked(plan, plan.initial[n_seq], hv, S);
   ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += kC, ++c) {
     const int64_t n = std::min(kC, seq.length - t0);
     if constexpr (kOutput) {
-      if (out->chunk_states != nullptr) store_blocked(plan, S, out->chunk_states, seq.first_chunk + c, hv);
+      if (out->chunk_states != nullptr)
+        store_blocked(plan, S, plan.packed(out->chunk_states, seq.first_chunk + c), hv);
     } else {
       blocked_to_panels(S, V, ckpt + c * V * Kp);
     }
@@ -333,7 +344,7 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
     }
   }
   if constexpr (kOutput) {
-    if (out->final_state != nullptr) store_blocked(plan, S, out->final_state, n_seq, hv);
+    if (plan.final[n_seq]) store_blocked(plan, S, plan.final[n_seq], hv);
   }
 }
 

@@ -492,7 +492,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 }  // namespace
 
 void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                       int num_threads) {
+                       core::Runner& run) {
   const int64_t N = plan.num_sequences(), HV = plan.HV, K = plan.K;
   std::vector<double> dA, ddt;
   if (plan.fused_gate()) {
@@ -502,9 +502,9 @@ void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const B
   const GateGrads gg{dA.data(), ddt.data()};
   int64_t longest = 0;
   for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
-  auto work = core::make_workspaces<BackwardWork>(N * plan.H, num_threads, plan.K, plan.V);
-  for (auto& w : work) w->reserve(longest, in.chunk_states == nullptr);
-  core::parallel_for(N * plan.H, num_threads, [&](int64_t item, int worker) {
+  auto work = run.workspaces<BackwardWork>(N * plan.H, plan.K, plan.V);
+  run.prepare(work, [&](BackwardWork& w) { w.reserve(longest, in.chunk_states == nullptr); });
+  run.parallel_for(N * plan.H, [&](int64_t item, int worker) {
     backward_item(plan, in, out, item / plan.H, item % plan.H, *work[static_cast<size_t>(worker)], gg);
   });
   if (!plan.fused_gate()) return;
@@ -533,8 +533,8 @@ namespace kda::cpu {
 HWY_EXPORT(RecurrentBackward);
 
 void recurrent_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                        int num_threads) {
-  HWY_DYNAMIC_DISPATCH(RecurrentBackward)(plan, in, out, num_threads);
+                        core::Runner& run) {
+  HWY_DYNAMIC_DISPATCH(RecurrentBackward)(plan, in, out, run);
 }
 }  // namespace kda::cpu
 #endif

@@ -19,10 +19,10 @@ HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                      int num_threads) {
+                      core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
-  auto work = core::make_workspaces<ForwardWork>(items, num_threads, plan.K, plan.V);
-  core::parallel_for(items, num_threads, [&](int64_t item, int worker) {
+  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V);
+  run.parallel_for(items, [&](int64_t item, int worker) {
     forward_sequence<true>(plan, in, &out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)],
                            nullptr);
   });
@@ -36,8 +36,21 @@ namespace kda::cpu {
 HWY_EXPORT(RecurrentForward);
 
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                       int num_threads) {
-  HWY_DYNAMIC_DISPATCH(RecurrentForward)(plan, in, out, num_threads);
+                       core::Runner& run) {
+  // Short sequences (decode steps) take the decode kernel, which works on each state in its own
+  // layout (no transpose into column blocks) and in place where it can; the rule depends on the
+  // shapes alone, so results stay deterministic.
+  int64_t longest = 0;
+  for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
+  if (longest <= kDecodeTokens && out.chunk_states == nullptr) {
+    DecodeInputs din;
+    din.fwd = in;
+    DecodeOutputs dout;
+    dout.o = out.o;
+    decode(plan, din, dout, run);
+    return;
+  }
+  HWY_DYNAMIC_DISPATCH(RecurrentForward)(plan, in, out, run);
 }
 }  // namespace kda::cpu
 #endif

@@ -2,6 +2,7 @@
 // Nothing here depends on the SIMD target.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <memory>
 #include <new>
 
+#include "core/parallel.hpp"
 #include "core/plan.hpp"
 #include "kda/kda.hpp"
 
@@ -19,65 +21,112 @@ namespace kda::cpu {
 inline constexpr int64_t kPad = 16;
 inline constexpr int64_t padded(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
-// A zero-initialised, 64-byte aligned array.
+// A zero-initialised, 64-byte aligned array. Its memory comes from the current thread's block cache
+// when there is one (the workspaces of a call, see core::Runner), else from the heap.
 template <typename T>
 class Buffer {
  public:
   Buffer() = default;
   explicit Buffer(size_t count) { reset(count); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : data_(o.data_), size_(o.size_), capacity_(o.capacity_), cache_(o.cache_) {
+    o.data_ = nullptr;
+  }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = o.data_, size_ = o.size_, capacity_ = o.capacity_, cache_ = o.cache_;
+      o.data_ = nullptr;
+    }
+    return *this;
+  }
+  ~Buffer() { release(); }
+
   void reset(size_t count) {
-    size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
-    if (bytes == 0) bytes = 64;
-    void* p = std::aligned_alloc(64, bytes);
-    if (p == nullptr) throw std::bad_alloc();
-    std::memset(p, 0, bytes);
-    data_.reset(p);
+    release();
+    const size_t bytes = std::max<size_t>((count * sizeof(T) + 63) / 64 * 64, 64);
+    cache_ = core::current_block_cache();
+    if (cache_ != nullptr) {
+      data_ = cache_->acquire(bytes, &capacity_);
+    } else {
+      data_ = std::aligned_alloc(64, bytes);
+      if (data_ == nullptr) throw std::bad_alloc();
+      capacity_ = bytes;
+    }
+    std::memset(data_, 0, bytes);
     size_ = count;
   }
-  T* data() const { return static_cast<T*>(data_.get()); }
+  T* data() const { return static_cast<T*>(data_); }
   size_t size() const { return size_; }
   T& operator[](size_t i) const { return data()[i]; }
 
  private:
-  std::unique_ptr<void, FreeDeleter> data_;
-  size_t size_ = 0;
+  void release() {
+    if (data_ == nullptr) return;
+    if (cache_ != nullptr)
+      cache_->release(data_, capacity_);
+    else
+      std::free(data_);
+    data_ = nullptr;
+  }
+  void* data_ = nullptr;
+  size_t size_ = 0, capacity_ = 0;
+  core::BlockCache* cache_ = nullptr;
 };
 
-// Copies state (n, hv) of a [N, HV, state] tensor in the problem's layout into a K-first working
-// tile [K][ldS] (ldS >= V; padded columns set to zero). A null source gives zeros.
-inline void load_state(const core::Plan& plan, const float* states, int64_t n, int64_t hv, float* S,
+// Element i of a state (f32 or bf16) as fp32, and the rounding of a value into one.
+inline float state_element(const core::StateRef& ref, int64_t i) {
+  return ref.dtype == DType::bf16 ? core::bf16_to_float(static_cast<const uint16_t*>(ref.data)[i])
+                                  : static_cast<const float*>(ref.data)[i];
+}
+inline void set_state_element(const core::StateRef& ref, int64_t i, float x) {
+  if (ref.dtype == DType::bf16)
+    static_cast<uint16_t*>(ref.data)[i] = core::float_to_bf16(x);
+  else
+    static_cast<float*>(ref.data)[i] = x;
+}
+
+// Head hv's state of one sequence's state block (see core::StateRef).
+inline core::StateRef head_state(const core::Plan& plan, const core::StateRef& ref, int64_t hv) {
+  if (!ref) return ref;
+  const int64_t offset = hv * plan.state_size() * static_cast<int64_t>(core::dtype_size(ref.dtype));
+  return {static_cast<char*>(ref.data) + offset, ref.dtype};
+}
+
+// Copies head hv of a sequence's states (in the problem's layout, f32 or bf16; null: zeros) into a
+// K-first fp32 working tile [K][ldS] (ldS >= V; padded columns set to zero).
+inline void load_state(const core::Plan& plan, const core::StateRef& states, int64_t hv, float* S,
                        int64_t ldS) {
   const int64_t K = plan.K, V = plan.V;
   // Padded columns are cleared too: what a previous item left there (NaN from a NaN input, say) must
   // not reach this one.
-  const int64_t first_zero = states == nullptr ? 0 : V;
+  const int64_t first_zero = states ? V : 0;
   for (int64_t kk = 0; kk < K; ++kk)
     std::memset(S + kk * ldS + first_zero, 0, sizeof(float) * (ldS - first_zero));
-  if (states == nullptr) return;
-  const float* src = states + plan.state_offset(n, hv);
-  if (!plan.v_first()) {
-    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(S + kk * ldS, src + kk * V, sizeof(float) * V);
+  if (!states) return;
+  const core::StateRef src = head_state(plan, states, hv);
+  if (!plan.v_first() && src.dtype == DType::f32) {
+    const float* f = static_cast<const float*>(src.data);
+    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(S + kk * ldS, f + kk * V, sizeof(float) * V);
     return;
   }
-  for (int64_t vv = 0; vv < V; ++vv)
-    for (int64_t kk = 0; kk < K; ++kk) S[kk * ldS + vv] = src[vv * K + kk];
+  for (int64_t kk = 0; kk < K; ++kk)
+    for (int64_t vv = 0; vv < V; ++vv) S[kk * ldS + vv] = state_element(src, plan.state_index(kk, vv));
 }
 
-// The inverse of load_state: writes a K-first working tile into state (n, hv) of `states`.
-inline void store_state(const core::Plan& plan, const float* S, int64_t ldS, float* states, int64_t n,
+// The inverse of load_state: writes a K-first working tile into head hv of a sequence's states.
+inline void store_state(const core::Plan& plan, const float* S, int64_t ldS, const core::StateRef& states,
                         int64_t hv) {
   const int64_t K = plan.K, V = plan.V;
-  float* dst = states + plan.state_offset(n, hv);
-  if (!plan.v_first()) {
-    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(dst + kk * V, S + kk * ldS, sizeof(float) * V);
+  const core::StateRef dst = head_state(plan, states, hv);
+  if (!plan.v_first() && dst.dtype == DType::f32) {
+    float* f = static_cast<float*>(dst.data);
+    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(f + kk * V, S + kk * ldS, sizeof(float) * V);
     return;
   }
-  for (int64_t vv = 0; vv < V; ++vv)
-    for (int64_t kk = 0; kk < K; ++kk) dst[vv * K + kk] = S[kk * ldS + vv];
+  for (int64_t kk = 0; kk < K; ++kk)
+    for (int64_t vv = 0; vv < V; ++vv) set_state_element(dst, plan.state_index(kk, vv), S[kk * ldS + vv]);
 }
 
 }  // namespace kda::cpu

@@ -1,0 +1,350 @@
+// Batched decode on a state pool on the CPU: per (request, value head), a few tokens of the exact
+// recurrence
+//   S1 = diag(e^{g_t}) S0,   r = beta_t (v_t - S1^T k_t),   S2 = S1 + k_t r^T,   o_t = scale S2^T q_t
+// applied to the state in its pool slot's own layout, so that no transpose is ever needed:
+//  - V-first [V][K]: each row (one value channel over the key channels) is self-contained: decay,
+//    k^T S1, the correction and q^T S2 all happen in one visit of the row (two passes over it while it
+//    sits in L1, four rows at a time).
+//  - K-first [K][V]: k^T S1 needs every row before any row can be corrected, so two sequential
+//    sweeps over the rows (decay and k^T S1, then the correction and q^T S2); the state, 64 KiB at
+//    K = V = 128, stays in L2 between them.
+// Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
+// bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
+// stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
+// two AVX2 cores). The state is read from the pool once and written once per stored state. An fp32 state
+// that goes back to the slot it came from (the usual one-token step) is updated in place in the pool;
+// otherwise (a bf16 pool, another slot, per-token states) it is worked on in an fp32 copy.
+#include <algorithm>
+#include <cstring>
+
+#include "core/parallel.hpp"
+#include "cpu/backend.hpp"
+
+// foreach_target.h re-includes this file once per SIMD target; the order below matters.
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/decode.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "cpu/simd-inl.h"
+#include "hwy/cache_control.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace kda::cpu::HWY_NAMESPACE {
+namespace {
+
+constexpr int64_t kTokens = kChunkSize;  // token rows gathered at a time
+
+HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
+
+// How far ahead of the rows being updated the state is prefetched.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Prefetches the cache lines of [p, p + n) that lie before `end` (the state's end).
+HWY_INLINE void prefetch_range(const float* p, int64_t n, const float* end) {
+  const char* a = reinterpret_cast<const char*>(p);
+  const char* b = reinterpret_cast<const char*>(std::min(p + n, end));
+  for (; a < b; a += 64) hwy::Prefetch(a);
+}
+
+struct DecodeWork {
+  int64_t Kp, Vp;
+  Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
+  Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
+  Buffer<float> acc;                  // Vp: the K-first kernel's k^T S1
+  DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)) {
+    S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
+    q.reset(kTokens * Kp), k.reset(kTokens * Kp), e.reset(kTokens * Kp), v.reset(kTokens * Vp);
+    o.reset(kTokens * Vp), beta.reset(kTokens), acc.reset(static_cast<size_t>(Vp));
+  }
+};
+
+// One token on a V-first state [V][ld] (ld a multiple of the vector length; lanes past K: zero in q,
+// k and the state, one in e, so they stay zero).
+void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HWY_RESTRICT q,
+                   const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
+                   float scale, float* o) {
+  const DF d;
+  const int64_t L = lanes();
+  constexpr int R = 4;  // rows per pass: four independent reductions in flight
+  // The state streams from memory once: prefetch the rows a few groups ahead, past the 4 KiB pages
+  // where the hardware prefetchers stop.
+  const int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
+  int64_t r0 = 0;
+  for (; r0 + R <= V; r0 += R) {
+    prefetch_range(S + r0 * ld + ahead, R * ld, S + V * ld);
+    VF u[R];
+    for (int r = 0; r < R; ++r) u[r] = hn::Zero(d);
+    for (int64_t i = 0; i < ld; i += L) {
+      const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
+      for (int r = 0; r < R; ++r) {
+        float* row = S + (r0 + r) * ld + i;
+        const VF s = hn::Mul(hn::LoadU(d, row), ve);
+        u[r] = hn::MulAdd(s, vk, u[r]);
+        hn::StoreU(s, d, row);
+      }
+    }
+    VF res[R], out[R];
+    for (int r = 0; r < R; ++r) {
+      res[r] = hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u[r]))));
+      out[r] = hn::Zero(d);
+    }
+    for (int64_t i = 0; i < ld; i += L) {
+      const VF vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
+      for (int r = 0; r < R; ++r) {
+        float* row = S + (r0 + r) * ld + i;
+        const VF s = hn::MulAdd(res[r], vk, hn::LoadU(d, row));
+        out[r] = hn::MulAdd(s, vq, out[r]);
+        hn::StoreU(s, d, row);
+      }
+    }
+    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out[r]));
+  }
+  for (; r0 < V; ++r0) {
+    float* row = S + r0 * ld;
+    VF u = hn::Zero(d);
+    for (int64_t i = 0; i < ld; i += L) {
+      const VF s = hn::Mul(hn::LoadU(d, row + i), hn::LoadU(d, e + i));
+      u = hn::MulAdd(s, hn::LoadU(d, k + i), u);
+      hn::StoreU(s, d, row + i);
+    }
+    const VF res = hn::Set(d, beta * (v[r0] - hn::GetLane(hn::SumOfLanes(d, u))));
+    VF out = hn::Zero(d);
+    for (int64_t i = 0; i < ld; i += L) {
+      const VF s = hn::MulAdd(res, hn::LoadU(d, k + i), hn::LoadU(d, row + i));
+      out = hn::MulAdd(s, hn::LoadU(d, q + i), out);
+      hn::StoreU(s, d, row + i);
+    }
+    o[r0] = scale * hn::GetLane(hn::SumOfLanes(d, out));
+  }
+}
+
+// One token on a K-first state [K][ld] (ld a multiple of the vector length; v and o have ld floats,
+// acc is scratch of ld floats). Two sequential sweeps over the rows, four at a time: decay and
+// k^T S1 (accumulated in acc, which stays in L1), then the correction and q^T S2 (in o). The state
+// streams from memory once, in address order (prefetched ahead); the second sweep finds it in L2.
+void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HWY_RESTRICT q,
+                   const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
+                   float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc) {
+  const DF d;
+  const int64_t L = lanes();
+  constexpr int R = 4;
+  // Twice the V-first distance: a little faster when measured on two AVX2 cores.
+  const int64_t ahead = (2 * kPrefetchBytes) / static_cast<int64_t>(sizeof(float));
+  const float* end = S + K * ld;
+  for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
+  int64_t r0 = 0;
+  for (; r0 + R <= K; r0 += R) {
+    float* row = S + r0 * ld;
+    prefetch_range(row + ahead, R * ld, end);
+    VF ve[R], vk[R];
+    for (int r = 0; r < R; ++r) ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]);
+    for (int64_t j = 0; j < ld; j += L) {
+      VF a = hn::LoadU(d, acc + j);
+      for (int r = 0; r < R; ++r) {
+        const VF s = hn::Mul(hn::LoadU(d, row + r * ld + j), ve[r]);
+        a = hn::MulAdd(vk[r], s, a);
+        hn::StoreU(s, d, row + r * ld + j);
+      }
+      hn::StoreU(a, d, acc + j);
+    }
+  }
+  for (; r0 < K; ++r0) {
+    float* row = S + r0 * ld;
+    const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]);
+    for (int64_t j = 0; j < ld; j += L) {
+      const VF s = hn::Mul(hn::LoadU(d, row + j), ve);
+      hn::StoreU(hn::MulAdd(vk, s, hn::LoadU(d, acc + j)), d, acc + j);
+      hn::StoreU(s, d, row + j);
+    }
+  }
+  // acc becomes the residual beta (v - S1^T k); o accumulates S2^T q.
+  const VF vb = hn::Set(d, beta);
+  for (int64_t j = 0; j < ld; j += L) {
+    hn::StoreU(hn::Mul(vb, hn::Sub(hn::LoadU(d, v + j), hn::LoadU(d, acc + j))), d, acc + j);
+    hn::StoreU(hn::Zero(d), d, o + j);
+  }
+  r0 = 0;
+  for (; r0 + R <= K; r0 += R) {
+    float* row = S + r0 * ld;
+    VF vk[R], vq[R];
+    for (int r = 0; r < R; ++r) vk[r] = hn::Set(d, k[r0 + r]), vq[r] = hn::Set(d, q[r0 + r]);
+    for (int64_t j = 0; j < ld; j += L) {
+      const VF res = hn::LoadU(d, acc + j);
+      VF out = hn::LoadU(d, o + j);
+      for (int r = 0; r < R; ++r) {
+        const VF s = hn::MulAdd(vk[r], res, hn::LoadU(d, row + r * ld + j));
+        out = hn::MulAdd(vq[r], s, out);
+        hn::StoreU(s, d, row + r * ld + j);
+      }
+      hn::StoreU(out, d, o + j);
+    }
+  }
+  for (; r0 < K; ++r0) {
+    float* row = S + r0 * ld;
+    const VF vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
+    for (int64_t j = 0; j < ld; j += L) {
+      const VF s = hn::MulAdd(vk, hn::LoadU(d, acc + j), hn::LoadU(d, row + j));
+      hn::StoreU(hn::MulAdd(vq, s, hn::LoadU(d, o + j)), d, o + j);
+      hn::StoreU(s, d, row + j);
+    }
+  }
+  const VF vs = hn::Set(d, scale);
+  for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
+}
+
+// bf16 <-> fp32 over n elements. The rounding is to nearest even and keeps NaN a (quiet) NaN, as
+// core::float_to_bf16; the tails use the scalar forms.
+void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> d16;
+  const int64_t L = lanes();
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(d16, src + i)))), df, dst + i);
+  for (; i < n; ++i) dst[i] = core::bf16_to_float(src[i]);
+}
+
+void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const int64_t L = lanes();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const auto u = hn::BitCast(du, hn::LoadU(df, src + i));
+    const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+    const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), lsb)));
+    const auto quiet = hn::ShiftRight<16>(hn::Or(u, hn::Set(du, 0x400000u)));
+    const auto is_nan =
+        hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu))), hn::Set(di, 0x7f800000));
+    hn::StoreU(hn::DemoteTo(d16, hn::IfThenElse(is_nan, hn::BitCast(di, quiet), hn::BitCast(di, rounded))),
+               d16, dst + i);
+  }
+  for (; i < n; ++i) dst[i] = core::float_to_bf16(src[i]);
+}
+
+// The working state of one (request, head), in the state's own layout: in the pool itself when an
+// fp32 state returns to its own slot and its rows are whole vectors, else the worker's fp32 copy
+// (rows padded with zeros to whole vectors).
+struct Working {
+  float* S;
+  int64_t ld;  // floats per row
+  bool in_place;
+};
+
+int64_t state_rows(const core::Plan& plan) { return plan.v_first() ? plan.V : plan.K; }
+int64_t state_row_length(const core::Plan& plan) { return plan.v_first() ? plan.K : plan.V; }
+
+Working working_state(const core::Plan& plan, int64_t n, int64_t hv, DecodeWork& w) {
+  const core::StateRef& in = plan.initial[n];
+  const int64_t rows = state_rows(plan), len = state_row_length(plan);
+  const bool in_place = in && plan.decode_columns == 1 && in.dtype == DType::f32 &&
+                        in.data == plan.final[n].data && len % lanes() == 0;
+  const core::StateRef src = head_state(plan, in, hv);
+  if (in_place) return {static_cast<float*>(src.data), len, true};
+  const int64_t ld = plan.v_first() ? w.Kp : w.Vp;
+  if (!in) {  // no initial state: zeros
+    std::memset(w.S.data(), 0, sizeof(float) * static_cast<size_t>(rows * ld));
+    return {w.S.data(), ld, false};
+  }
+  const size_t element = src.dtype == DType::bf16 ? 2 : 4;
+  const char* from = static_cast<const char*>(src.data);
+  const char* end = from + static_cast<size_t>(rows * len) * element;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = w.S.data() + r * ld;
+    // The state streams from the pool: prefetch ahead (see kPrefetchBytes).
+    const char* ahead = from + static_cast<size_t>(r * len) * element + kPrefetchBytes;
+    for (const char* p = ahead; p < std::min(ahead + len * static_cast<int64_t>(element), end); p += 64)
+      hwy::Prefetch(p);
+    if (src.dtype == DType::bf16)
+      bf16_to_f32(static_cast<const uint16_t*>(src.data) + r * len, dst, len);
+    else
+      std::memcpy(dst, static_cast<const float*>(src.data) + r * len,
+                  sizeof(float) * static_cast<size_t>(len));
+    std::fill(dst + len, dst + ld, 0.0f);
+  }
+  return {w.S.data(), ld, false};
+}
+
+// Writes the working copy into head hv of a state (a pool slot), rounding once when it is bf16.
+void store_working(const core::Plan& plan, const Working& s, const core::StateRef& states, int64_t hv) {
+  const core::StateRef dst = head_state(plan, states, hv);
+  const int64_t rows = state_rows(plan), len = state_row_length(plan);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = s.S + r * s.ld;
+    if (dst.dtype == DType::bf16)
+      f32_to_bf16(src, static_cast<uint16_t*>(dst.data) + r * len, len);
+    else
+      std::memcpy(static_cast<float*>(dst.data) + r * len, src, sizeof(float) * static_cast<size_t>(len));
+  }
+}
+
+void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, int64_t n,
+                 int64_t hv, DecodeWork& w) {
+  const core::Sequence& seq = plan.sequences[n];
+  const int64_t V = plan.V, Kp = w.Kp, Vp = w.Vp;
+  if (!plan.padding.empty() && plan.padding[n]) {
+    std::fill(w.o.data(), w.o.data() + Vp, 0.0f);
+    for (int64_t t = 0; t < seq.length; ++t)
+      core::store_row(out.o, seq.batch_index, seq.first_token + t, hv, V, w.o.data());
+    return;
+  }
+  const Working s = working_state(plan, n, hv, w);
+  const ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
+  const DF d;
+  for (int64_t t0 = 0; t0 < seq.length; t0 += kTokens) {
+    const int64_t count = std::min(kTokens, seq.length - t0);
+    load_chunk_rows(plan, in.fwd, seq, hv, t0, count, rows);
+    for (int64_t i = 0; i < count; ++i) {
+      float* e = w.e.data() + i * Kp;
+      std::fill(e + plan.K, e + Kp, 0.0f);  // padded lanes: exp(0) = 1 against zero state lanes
+      for (int64_t c = 0; c < Kp; c += lanes()) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, e + c)), d, e + c);
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const float* q = w.q.data() + i * Kp;
+      const float* k = w.k.data() + i * Kp;
+      const float* e = w.e.data() + i * Kp;
+      const float* v = w.v.data() + i * Vp;
+      float* o = w.o.data() + i * Vp;
+      if (plan.v_first())
+        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o);
+      else
+        token_k_first(s.S, plan.K, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o,
+                      w.acc.data());
+      if (plan.decode_columns > 1) {
+        const core::StateRef& dst = plan.token_states[static_cast<size_t>(n * plan.decode_columns + t0 + i)];
+        if (dst) store_working(plan, s, dst, hv);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i)
+      core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
+  }
+  if (!s.in_place && plan.final[n]) store_working(plan, s, plan.final[n], hv);
+}
+
+}  // namespace
+
+void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
+  const int64_t items = plan.num_sequences() * plan.HV;
+  auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
+  run.parallel_for(items, [&](int64_t item, int worker) {
+    decode_item(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)]);
+  });
+}
+
+}  // namespace kda::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kda::cpu {
+HWY_EXPORT(Decode);
+
+void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
+  HWY_DYNAMIC_DISPATCH(Decode)(plan, in, out, run);
+}
+}  // namespace kda::cpu
+#endif
