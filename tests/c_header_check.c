@@ -10,9 +10,12 @@ int64_t kda_c_header_check_num_chunks(void) {
   /* Three sequences of 10, 70 and 70 tokens: 1 + 2 + 2 chunks of KDA_CHUNK_SIZE. */
   static const int64_t cu_seqlens[] = {0, 10, 80, 150};
   kda_problem p = kda_problem_default();
-  kda_forward_inputs in;
-  kda_backward_outputs grads;
-  kda_run_options options;
+  kda_forward_inputs in = KDA_FORWARD_INPUTS_INIT;
+  kda_backward_outputs grads = KDA_BACKWARD_OUTPUTS_INIT;
+  kda_decode_inputs decode = KDA_DECODE_INPUTS_INIT;
+  kda_state_pool pool = KDA_STATE_POOL_INIT;
+  kda_run_options options = KDA_RUN_OPTIONS_INIT;
+  static const int32_t slots[] = {0, 1, 2};
   int64_t chunks = -1;
   p.seq_len = 150;
   p.heads = 2;
@@ -27,6 +30,11 @@ int64_t kda_c_header_check_num_chunks(void) {
   in.q = kda_make_input(NULL, KDA_DTYPE_BF16, &p, p.heads, p.key_dim);
   grads.dq = kda_make_output(NULL, KDA_DTYPE_BF16, &p, p.heads, p.key_dim);
   options.num_threads = 1;
+  decode.fwd = &in;
+  decode.state_indices = kda_make_indices(slots, KDA_INDEX_I32, 3, 1);
+  pool.num_slots = 3;
+  (void)decode;
+  (void)pool;
   (void)in;
   (void)grads;
   (void)options;

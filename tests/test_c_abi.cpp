@@ -25,6 +25,8 @@ struct Fixture {
   std::vector<float> o, final_state, chunk_states;
   std::vector<float> d_o, d_final_state;
   std::vector<float> dq, dk, dv, dg, dbeta, dh0;
+  // What c_backward_inputs() points its `fwd` at: the C structs hold the forward inputs by pointer.
+  mutable kda_forward_inputs backward_fwd{};
 
   static constexpr int64_t B = 2, T = 70, H = 2, HV = 4, K = 16, V = 8;
 
@@ -84,7 +86,7 @@ struct Fixture {
   }
 
   kda_forward_inputs c_inputs() const {
-    kda_forward_inputs in{};
+    kda_forward_inputs in = KDA_FORWARD_INPUTS_INIT;
     in.q = kda_make_input(q.data(), KDA_DTYPE_F32, &cp, H, K);
     in.k = kda_make_input(k.data(), KDA_DTYPE_F32, &cp, H, K);
     in.v = kda_make_input(v.data(), KDA_DTYPE_F32, &cp, HV, V);
@@ -94,21 +96,22 @@ struct Fixture {
     return in;
   }
   kda_forward_outputs c_outputs() {
-    kda_forward_outputs out{};
+    kda_forward_outputs out = KDA_FORWARD_OUTPUTS_INIT;
     out.o = kda_make_output(o.data(), KDA_DTYPE_F32, &cp, HV, V);
     out.final_state = final_state.data();
     out.chunk_states = chunk_states.data();
     return out;
   }
   kda_backward_inputs c_backward_inputs() const {
-    kda_backward_inputs in{};
-    in.fwd = c_inputs();
+    kda_backward_inputs in = KDA_BACKWARD_INPUTS_INIT;
+    backward_fwd = c_inputs();
+    in.fwd = &backward_fwd;
     in.d_o = kda_make_input(d_o.data(), KDA_DTYPE_F32, &cp, HV, V);
     in.d_final_state = d_final_state.data();
     return in;
   }
   kda_backward_outputs c_backward_outputs() {
-    kda_backward_outputs out{};
+    kda_backward_outputs out = KDA_BACKWARD_OUTPUTS_INIT;
     out.dq = kda_make_output(dq.data(), KDA_DTYPE_F32, &cp, H, K);
     out.dk = kda_make_output(dk.data(), KDA_DTYPE_F32, &cp, H, K);
     out.dv = kda_make_output(dv.data(), KDA_DTYPE_F32, &cp, HV, V);
@@ -175,7 +178,12 @@ bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<s
   return true;
 }
 
-const kda_run_options kOneThread{1};
+kda_run_options one_thread() {
+  kda_run_options options = KDA_RUN_OPTIONS_INIT;
+  options.num_threads = 1;
+  return options;
+}
+const kda_run_options kOneThread = one_thread();
 
 TEST(CAbi, VersionAndStatusStrings) {
   EXPECT_STREQ(kda_version(), KDA_VERSION_STRING);
@@ -186,6 +194,7 @@ TEST(CAbi, VersionAndStatusStrings) {
   EXPECT_STREQ(kda_status_string(KDA_ERROR_INVALID_ARGUMENT), "KDA_ERROR_INVALID_ARGUMENT");
   EXPECT_STREQ(kda_status_string(KDA_ERROR_OUT_OF_MEMORY), "KDA_ERROR_OUT_OF_MEMORY");
   EXPECT_STREQ(kda_status_string(KDA_ERROR_INTERNAL), "KDA_ERROR_INTERNAL");
+  EXPECT_STREQ(kda_status_string(KDA_ERROR_NOT_SUPPORTED), "KDA_ERROR_NOT_SUPPORTED");
 }
 
 TEST(CAbi, ProblemDefaultsMirrorCpp) {
@@ -419,6 +428,180 @@ TEST(CAbi, LastErrorIsClearedOnSuccessAndThreadLocal) {
   EXPECT_STRNE(kda_last_error(), "");  // still this thread's message
   ASSERT_EQ(kda_num_chunks(&f.cp, &n), KDA_OK);
   EXPECT_STREQ(kda_last_error(), "");
+}
+
+// struct_size 0 reads as this header's layout; a larger struct is accepted while its extra bytes are
+// zero (a newer caller that sets no new field) and refused with KDA_ERROR_NOT_SUPPORTED otherwise; a
+// struct_size smaller than any layout is a bad argument.
+TEST(CAbi, StructSizeVersioning) {
+  Fixture f;
+  kda_forward_inputs in = f.c_inputs();
+  kda_forward_outputs out = f.c_outputs();
+  out.chunk_states = nullptr;
+  in.struct_size = 0;
+  out.struct_size = 0;
+  kda_problem p = f.cp;
+  p.struct_size = 0;
+  f.fill_outputs(-7.0f);
+  ASSERT_EQ(kda_recurrent_forward(&p, &in, &out, &kOneThread), KDA_OK) << kda_last_error();
+  const auto reference = f.snapshot();
+
+  // A "newer" kda_forward_inputs: this layout followed by 16 more bytes.
+  struct Newer {
+    kda_forward_inputs base;
+    unsigned char tail[16];
+  } newer{};
+  newer.base = f.c_inputs();
+  newer.base.struct_size = sizeof(Newer);
+  f.fill_outputs(-7.0f);
+  ASSERT_EQ(kda_recurrent_forward(&p, &newer.base, &out, &kOneThread), KDA_OK) << kda_last_error();
+  EXPECT_TRUE(bitwise_equal(reference, f.snapshot()));
+
+  newer.tail[5] = 1;
+  f.fill_outputs(-7.0f);
+  const auto before = f.snapshot();
+  EXPECT_EQ(kda_recurrent_forward(&p, &newer.base, &out, &kOneThread), KDA_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(kda_last_error()).find("'inputs'"), std::string::npos) << kda_last_error();
+  EXPECT_NE(std::string(kda_last_error()).find("newer"), std::string::npos) << kda_last_error();
+  EXPECT_TRUE(bitwise_equal(before, f.snapshot()));
+
+  kda_run_options small = kOneThread;
+  small.struct_size = 4;
+  expect_rejected(f, "struct_size", [&] { return kda_recurrent_forward(&p, &in, &out, &small); });
+}
+
+// A pool of `slots` K-first fp32 states for the fixture's heads, filled with a poison pattern.
+std::vector<float> poisoned_pool(int64_t slots, int64_t per_slot) {
+  std::vector<float> pool(static_cast<size_t>(slots * per_slot));
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<float>(i % 97) * 0.01f - 0.4f;
+  return pool;
+}
+
+// Decode through C (own context, int32 indices) and C++ (global context, int64 indices): bitwise equal.
+TEST(CAbi, DecodeMirrorsCpp) {
+  Fixture f;
+  constexpr int64_t N = 3, HV = Fixture::HV, K = Fixture::K, V = Fixture::V, kSlots = 6;
+  kda_problem cp = f.cp;
+  cp.batch = N;
+  cp.seq_len = 1;
+  kda::Problem p = f.p;
+  p.batch = N;
+  p.seq_len = 1;
+  const int64_t per_slot = HV * K * V;
+  const int32_t idx32[N] = {4, -1, 1};
+  const int64_t idx64[N] = {4, -1, 1};
+
+  auto run_c = [&](std::vector<float>& pool, std::vector<float>& o, kda_context* ctx) {
+    kda_forward_inputs fwd = f.c_inputs();
+    fwd.initial_state = nullptr;
+    kda_decode_inputs in = KDA_DECODE_INPUTS_INIT;
+    in.fwd = &fwd;
+    in.state_indices = kda_make_indices(idx32, KDA_INDEX_I32, N, 1);
+    kda_state_pool cpool = KDA_STATE_POOL_INIT;
+    cpool.data = pool.data();
+    cpool.dtype = KDA_DTYPE_F32;
+    cpool.num_slots = kSlots;
+    kda_decode_outputs out = KDA_DECODE_OUTPUTS_INIT;
+    out.o = kda_make_output(o.data(), KDA_DTYPE_F32, &cp, HV, V);
+    kda_run_options options = KDA_RUN_OPTIONS_INIT;
+    options.num_threads = 2;
+    options.context = ctx;
+    return kda_decode(&cp, &in, &cpool, &out, &options);
+  };
+  kda_context* ctx = nullptr;
+  ASSERT_EQ(kda_context_create(&ctx), KDA_OK) << kda_last_error();
+  std::vector<float> pool_c = poisoned_pool(kSlots, per_slot), o_c(N * HV * V, -7.0f);
+  for (int repeat = 0; repeat < 2; ++repeat) {  // the context is reused
+    pool_c = poisoned_pool(kSlots, per_slot);
+    ASSERT_EQ(run_c(pool_c, o_c, ctx), KDA_OK) << kda_last_error();
+  }
+  kda_context_destroy(ctx);
+
+  std::vector<float> pool_cpp = poisoned_pool(kSlots, per_slot), o_cpp(N * HV * V, -7.0f);
+  kda::DecodeInputs in;
+  in.fwd = f.cpp_inputs();
+  in.fwd.initial_state = nullptr;
+  in.state_indices = kda::make_indices(idx64, N);
+  kda::DecodeOutputs out;
+  out.o = kda::make_output(o_cpp.data(), kda::DType::f32, p, HV, V);
+  kda::decode(p, in, kda::StatePool{pool_cpp.data(), kda::DType::f32, kSlots, 0}, out, kda::RunOptions{1});
+
+  EXPECT_EQ(std::memcmp(pool_c.data(), pool_cpp.data(), pool_c.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(o_c.data(), o_cpp.data(), o_c.size() * sizeof(float)), 0);
+  const std::vector<float> fresh = poisoned_pool(kSlots, per_slot);
+  for (int64_t slot : {0, 2, 3, 5})  // untouched slots keep the poison
+    EXPECT_EQ(std::memcmp(pool_c.data() + slot * per_slot, fresh.data() + slot * per_slot,
+                          per_slot * sizeof(float)),
+              0)
+        << "slot " << slot;
+  EXPECT_NE(std::memcmp(pool_c.data() + 4 * per_slot, fresh.data() + 4 * per_slot, per_slot * sizeof(float)),
+            0);
+  for (int64_t i = 0; i < HV * V; ++i) EXPECT_EQ(o_c[HV * V + i], 0.0f);  // the padding row
+
+  // A slot past the pool: rejected, pool and output untouched.
+  const std::vector<float> pool_before = pool_c, o_before = o_c;
+  const int32_t bad[N] = {4, 6, 1};
+  kda_forward_inputs fwd = f.c_inputs();
+  fwd.initial_state = nullptr;
+  kda_decode_inputs bad_in = KDA_DECODE_INPUTS_INIT;
+  bad_in.fwd = &fwd;
+  bad_in.state_indices = kda_make_indices(bad, KDA_INDEX_I32, N, 1);
+  kda_state_pool cpool = KDA_STATE_POOL_INIT;
+  cpool.data = pool_c.data();
+  cpool.num_slots = kSlots;
+  kda_decode_outputs bad_out = KDA_DECODE_OUTPUTS_INIT;
+  bad_out.o = kda_make_output(o_c.data(), KDA_DTYPE_F32, &cp, HV, V);
+  EXPECT_EQ(kda_decode(&cp, &bad_in, &cpool, &bad_out, nullptr), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("state_indices"), std::string::npos) << kda_last_error();
+  EXPECT_EQ(pool_c, pool_before);
+  EXPECT_EQ(o_c, o_before);
+  EXPECT_EQ(kda_decode(&cp, &bad_in, nullptr, &bad_out, nullptr), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("'pool'"), std::string::npos) << kda_last_error();
+  EXPECT_EQ(kda_context_create(nullptr), KDA_ERROR_INVALID_ARGUMENT);
+}
+
+// Pooled prefill through C: the final states land in the named slots, equal to the plain forward's.
+TEST(CAbi, PooledPrefillMatchesPlainForward) {
+  Fixture f;
+  constexpr int64_t B = Fixture::B, HV = Fixture::HV, K = Fixture::K, V = Fixture::V, kSlots = 5;
+  const int64_t per_slot = HV * K * V;
+  kda_forward_inputs plain = f.c_inputs();
+  kda_forward_outputs plain_out = f.c_outputs();
+  plain_out.chunk_states = nullptr;
+  ASSERT_EQ(kda_chunk_forward(&f.cp, &plain, &plain_out, &kOneThread), KDA_OK) << kda_last_error();
+  const std::vector<float> o_plain = f.o, final_plain = f.final_state;
+
+  std::vector<float> pool = poisoned_pool(kSlots, per_slot);
+  const int64_t slots[B] = {3, 0};
+  for (int64_t n = 0; n < B; ++n)
+    std::copy(f.h0.begin() + n * per_slot, f.h0.begin() + (n + 1) * per_slot,
+              pool.begin() + slots[n] * per_slot);
+  kda_state_pool cpool = KDA_STATE_POOL_INIT;
+  cpool.data = pool.data();
+  cpool.num_slots = kSlots;
+  kda_pooled_states pooled = KDA_POOLED_STATES_INIT;
+  pooled.pool = &cpool;
+  pooled.indices = kda_make_indices(slots, KDA_INDEX_I64, B, 1);
+  kda_forward_inputs in = f.c_inputs();
+  in.initial_state = nullptr;
+  in.pooled_states = &pooled;
+  kda_forward_outputs out = f.c_outputs();
+  out.final_state = nullptr;
+  out.chunk_states = nullptr;
+  std::fill(f.o.begin(), f.o.end(), -7.0f);
+  ASSERT_EQ(kda_chunk_forward(&f.cp, &in, &out, &kOneThread), KDA_OK) << kda_last_error();
+  EXPECT_EQ(f.o, o_plain);
+  for (int64_t n = 0; n < B; ++n)
+    EXPECT_EQ(std::memcmp(pool.data() + slots[n] * per_slot, final_plain.data() + n * per_slot,
+                          per_slot * sizeof(float)),
+              0)
+        << "sequence " << n;
+
+  in.initial_state = f.h0.data();  // both an initial state and pooled states
+  const std::vector<float> before = pool;
+  EXPECT_EQ(kda_chunk_forward(&f.cp, &in, &out, &kOneThread), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("initial_state"), std::string::npos) << kda_last_error();
+  EXPECT_EQ(pool, before);
 }
 
 }  // namespace
