@@ -2,7 +2,8 @@
 //
 //   kda check   parity of every path against the float64 oracle, over gate regimes and dtypes
 //   kda bench   speed of the chunked and recurrent paths at a Kimi Linear layer's shape
-//   kda         both, check first
+//   kda decode  latency of one-token decode steps with the state updated in place
+//   kda         check, then bench
 //
 // Exit code: 0 when every check passes, 1 when one fails, 2 on a usage error.
 #include <algorithm>
@@ -13,7 +14,9 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,7 +34,7 @@ using kda_demo::Case;
 using kda_demo::Regime;
 using kda_demo::Shape;
 
-constexpr const char* kUsage = R"(usage: kda [check|bench] [options]
+constexpr const char* kUsage = R"(usage: kda [check|bench|decode] [options]
 
   kda            run `kda check`, then `kda bench`
   kda check      compare every path with the float64 oracle: chunked and recurrent forward, and
@@ -41,6 +44,10 @@ constexpr const char* kUsage = R"(usage: kda [check|bench] [options]
                  tolerance.
   kda bench      time the chunked and recurrent forward, and the chunked forward+backward, at a
                  Kimi Linear layer's shape; prints tokens/s and GFLOP/s (medians).
+  kda decode     time batched decode steps on a state pool (kda::decode: B requests x H heads, each
+                 state read from its slot and written back in place) for K-first and V-first
+                 pools of fp32 and bf16 states; prints the median microseconds per step, tokens/s
+                 and the state bandwidth reached.
   kda --help     this text
 
 check options:
@@ -56,20 +63,53 @@ bench options:
   --reps N       timed runs per figure, the median is shown (default 3, after one warm-up)
   --no-backward  skip the forward+backward timing
 
-Without a subcommand, options apply to both, where they exist.
+decode options:
+  --B LIST       request counts N (default 1,8,32,128)
+  --H N --K N --V N   heads and head dims (default H=HV=32, K=V=128, fp32 activations)
+  --T N          tokens per request (default 1)
+  --spec         speculative decoding: [B, T] slot indices, the state after every token stored in
+                 its own slot, every request starting from a random accepted token
+  --slots N      pool slots (default 2 * B * T), assigned to requests at random
+  --layout LIST  state layouts, k and/or v (default k,v)
+  --pool-dtype LIST  pool dtypes, f32 and/or bf16 (default f32,bf16)
+  --threads LIST thread counts (default 1 and every core)
+  --reps N       timed batches, the median is shown (default 7)
+  --calls N      steps per batch (default 800 / max(N, 8), at least 4)
+  --json         one JSON object per row instead of the table
+  Each row also gives the memory-bandwidth bound (state bytes read and written per step over the
+  copy bandwidth measured in the same run) and the time of the way without pools: gather the states
+  into a dense tensor, one recurrent_forward, scatter them back.
+
+Without a subcommand, options apply to check and bench, where they exist.
 )";
 
 struct Options {
   std::string command;  // "", "check" or "bench"
   std::optional<int64_t> B, T, H, K, V;
+  std::vector<int64_t> B_list;  // decode: --B takes a list of request counts
   std::optional<int> check_threads;
   std::vector<int> bench_threads;
-  int reps = 3;
+  std::optional<int> reps;
+  std::optional<int64_t> calls, slots;
   uint64_t seed = 1;
   bool backward = true;
+  bool spec = false;
+  bool json = false;
+  std::vector<std::string> layouts{"k", "v"}, pool_dtypes{"f32", "bf16"};
 };
 
 [[noreturn]] void usage_error(const std::string& message) { kda_demo::usage_error("kda", message); }
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    if (comma > pos) out.push_back(s.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
+  return out;
+}
 
 int64_t parse_positive(const std::string& flag, const char* value) {
   return kda_demo::parse_positive("kda", flag, value);
@@ -80,7 +120,8 @@ Options parse(int argc, char** argv) {
   int i = 1;
   if (i < argc && argv[i][0] != '-') {
     o.command = argv[i++];
-    if (o.command != "check" && o.command != "bench") usage_error("unknown command '" + o.command + "'");
+    if (o.command != "check" && o.command != "bench" && o.command != "decode")
+      usage_error("unknown command '" + o.command + "'");
   }
   for (; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -92,11 +133,22 @@ Options parse(int argc, char** argv) {
       o.backward = false;
       continue;
     }
+    if (flag == "--spec") {
+      o.spec = true;
+      continue;
+    }
+    if (flag == "--json") {
+      o.json = true;
+      continue;
+    }
     if (i + 1 >= argc) usage_error("missing value after " + flag);
     const char* value = argv[++i];
-    if (flag == "--B")
-      o.B = parse_positive(flag, value);
-    else if (flag == "--T")
+    if (flag == "--B") {
+      for (int b : kda_demo::parse_int_list(value)) o.B_list.push_back(b);
+      if (o.B_list.empty()) usage_error("--B expects a positive integer (a comma-separated list for decode)");
+      if (o.B_list.size() > 1 && o.command != "decode") usage_error("--B takes one value outside decode");
+      o.B = o.B_list.back();
+    } else if (flag == "--T")
       o.T = parse_positive(flag, value);
     else if (flag == "--H")
       o.H = parse_positive(flag, value);
@@ -106,7 +158,20 @@ Options parse(int argc, char** argv) {
       o.V = parse_positive(flag, value);
     else if (flag == "--reps")
       o.reps = static_cast<int>(parse_positive(flag, value));
-    else if (flag == "--seed")
+    else if (flag == "--calls")
+      o.calls = parse_positive(flag, value);
+    else if (flag == "--slots")
+      o.slots = parse_positive(flag, value);
+    else if (flag == "--layout" || flag == "--pool-dtype") {
+      auto& list = flag == "--layout" ? o.layouts : o.pool_dtypes;
+      list.clear();
+      for (const std::string& item : split_list(value)) {
+        const bool ok = flag == "--layout" ? (item == "k" || item == "v") : (item == "f32" || item == "bf16");
+        if (!ok) usage_error(flag + ": unknown item '" + item + "'");
+        list.push_back(item);
+      }
+      if (list.empty()) usage_error(flag + " expects a comma-separated list");
+    } else if (flag == "--seed")
       o.seed = static_cast<uint64_t>(parse_positive(flag, value));
     else if (flag == "--threads") {
       o.bench_threads = kda_demo::parse_int_list(value);
@@ -300,6 +365,15 @@ int run_check(const Options& o) {
 
 // ---- bench ----------------------------------------------------------------------------------------
 
+// The thread counts asked for, else 1 and every core.
+std::vector<int> default_threads(const std::vector<int>& requested) {
+  if (!requested.empty()) return requested;
+  std::vector<int> threads{1};
+  const int hw = static_cast<int>(std::thread::hardware_concurrency());
+  if (hw > 1) threads.push_back(hw);
+  return threads;
+}
+
 void print_speed_row(int threads, const char* path, std::optional<double> seconds, int64_t tokens,
                      std::optional<double> flops_per_token, const std::string& note) {
   std::printf("%7d  %-24s", threads, path);
@@ -323,18 +397,13 @@ int run_bench(const Options& o) {
   s.H = s.HV = o.H.value_or(32);
   s.K = o.K.value_or(128);
   s.V = o.V.value_or(128);
-  std::vector<int> threads = o.bench_threads;
-  if (threads.empty()) {
-    threads.push_back(1);
-    const int hw = static_cast<int>(std::thread::hardware_concurrency());
-    if (hw > 1) threads.push_back(hw);
-  }
+  const std::vector<int> threads = default_threads(o.bench_threads);
   const double chunk_fpt = kda_demo::chunk_flops_per_token_head(s.K, s.V) * static_cast<double>(s.HV);
   const double rec_fpt = kda_demo::recurrent_flops_per_token_head(s.K, s.V) * static_cast<double>(s.HV);
   const int64_t tokens = s.B * s.T;
 
   std::printf("kda bench: %s fp32, log-decay gate (mild), median of %d runs after a warm-up\n",
-              kda_demo::describe(s).c_str(), o.reps);
+              kda_demo::describe(s).c_str(), o.reps.value_or(3));
   std::printf("kernels dispatch to SIMD target %s\n", kda::simd_target());
   std::printf("nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k\n\n",
               kda_demo::chunk_flops_per_token_head(s.K, s.V) / 1e3,
@@ -345,7 +414,7 @@ int run_bench(const Options& o) {
 
   std::printf("%7s  %-24s %10s %12s %9s\n", "threads", "path", "ms", "tokens/s", "GFLOP/s");
   for (int t : threads) {
-    const kda_demo::SpeedResult r = kda_demo::measure_speed(c, t, o.reps, o.backward);
+    const kda_demo::SpeedResult r = kda_demo::measure_speed(c, t, o.reps.value_or(3), o.backward);
     print_speed_row(t, "chunk_forward", r.chunk_fwd, tokens, chunk_fpt, r.chunk_fwd_error);
     print_speed_row(t, "recurrent_forward", r.recurrent_fwd, tokens, rec_fpt, r.recurrent_fwd_error);
     if (o.backward) {
@@ -364,6 +433,206 @@ int run_bench(const Options& o) {
   return 0;
 }
 
+// ---- decode ---------------------------------------------------------------------------------------
+
+// Median copy bandwidth (bytes read + bytes written per second) of `threads` threads each copying
+// its share of a buffer far larger than the caches: the memory-bandwidth yardstick of decode.
+double copy_bandwidth(int threads, int reps) {
+  const size_t bytes = size_t{512} << 20;
+  std::vector<char> src(bytes, 1), dst(bytes, 2);
+  const std::vector<double> t = kda_demo::time_runs("", reps, [&] {
+    std::vector<std::thread> workers;
+    const size_t share = bytes / static_cast<size_t>(threads);
+    for (int w = 0; w < threads; ++w)
+      workers.emplace_back([&, w] { std::memcpy(dst.data() + w * share, src.data() + w * share, share); });
+    for (auto& w : workers) w.join();
+  });
+  return 2.0 * static_cast<double>(bytes) / kda_demo::median(t);
+}
+
+// A pool of fp32 or bf16 states filled with small random values.
+std::vector<unsigned char> random_pool(int64_t slots, size_t slot_elements, kda::DType dtype,
+                                       std::mt19937_64& rng) {
+  const size_t element = dtype == kda::DType::bf16 ? 2 : 4;
+  std::vector<unsigned char> storage(static_cast<size_t>(slots) * slot_elements * element);
+  for (size_t i = 0; i < storage.size() / element; ++i) {
+    const float x = 0.01f * static_cast<float>(static_cast<int64_t>(rng() % 201) - 100);
+    if (dtype == kda::DType::bf16) {
+      const uint16_t b = kda_demo::to_bf16(x);
+      std::memcpy(storage.data() + i * 2, &b, 2);
+    } else {
+      std::memcpy(storage.data() + i * 4, &x, 4);
+    }
+  }
+  return storage;
+}
+
+// What a caller does without pools: gather the requests' states into a dense fp32 tensor, one
+// recurrent_forward over it (final state in place), scatter the states back into the pool.
+struct GatherForwardScatter {
+  const kda::Problem& p;
+  kda::ForwardInputs in;
+  kda::ForwardOutputs out;
+  std::vector<float> dense;
+  const std::vector<int64_t>& slots;
+  unsigned char* pool;
+  kda::DType dtype;
+  size_t slot_elements;
+
+  void run(const kda::RunOptions& opt) {
+    const size_t n = slots.size();
+    for (size_t r = 0; r < n; ++r) {
+      float* to = dense.data() + r * slot_elements;
+      if (dtype == kda::DType::f32) {
+        std::memcpy(to, pool + static_cast<size_t>(slots[r]) * slot_elements * 4, slot_elements * 4);
+      } else {
+        const uint16_t* from =
+            reinterpret_cast<const uint16_t*>(pool) + static_cast<size_t>(slots[r]) * slot_elements;
+        for (size_t i = 0; i < slot_elements; ++i) to[i] = kda_demo::from_bf16(from[i]);
+      }
+    }
+    kda::recurrent_forward(p, in, out, opt);
+    for (size_t r = 0; r < n; ++r) {
+      const float* from = dense.data() + r * slot_elements;
+      if (dtype == kda::DType::f32) {
+        std::memcpy(pool + static_cast<size_t>(slots[r]) * slot_elements * 4, from, slot_elements * 4);
+      } else {
+        uint16_t* to = reinterpret_cast<uint16_t*>(pool) + static_cast<size_t>(slots[r]) * slot_elements;
+        for (size_t i = 0; i < slot_elements; ++i) to[i] = kda_demo::to_bf16(from[i]);
+      }
+    }
+  }
+};
+
+// One row of the decode table.
+struct DecodeRow {
+  int threads;
+  std::string layout, pool;
+  int64_t requests;
+  double us, bound_us, baseline_us;
+  double state_bytes;
+};
+
+void print_decode_row(const Options& o, const Shape& s, const DecodeRow& r, double copy_gbs) {
+  const double tokens = static_cast<double>(r.requests * s.T);
+  if (o.json) {
+    std::printf(
+        "{\"threads\": %d, \"layout\": \"%s\", \"pool\": \"%s\", \"B\": %lld, \"T\": %lld, \"H\": %lld, "
+        "\"K\": %lld, \"V\": %lld, \"spec\": %s, \"us_per_call\": %.3f, \"state_gb_per_s\": %.3f, "
+        "\"copy_gb_per_s\": %.3f, \"bound_us\": %.3f, \"fraction_of_bound\": %.4f, "
+        "\"gather_forward_scatter_us\": %.3f, \"simd_target\": \"%s\"}\n",
+        r.threads, r.layout.c_str(), r.pool.c_str(), static_cast<long long>(r.requests),
+        static_cast<long long>(s.T), static_cast<long long>(s.H), static_cast<long long>(s.K),
+        static_cast<long long>(s.V), o.spec ? "true" : "false", r.us, r.state_bytes / r.us / 1e3, copy_gbs,
+        r.bound_us, r.bound_us / r.us, r.baseline_us, kda::simd_target());
+  } else {
+    std::printf("%7d %5lld %8s %5s %11.1f %10.0f %11.1f %8.0f%% %13.1f %8.2fx\n", r.threads,
+                static_cast<long long>(r.requests), r.layout == "v" ? "V-first" : "K-first", r.pool.c_str(),
+                r.us, tokens / r.us * 1e6, r.bound_us, 100.0 * r.bound_us / r.us, r.baseline_us,
+                r.baseline_us / r.us);
+  }
+  std::fflush(stdout);
+}
+
+int run_decode(const Options& o) {
+  Shape base;
+  base.T = o.T.value_or(1);
+  base.H = base.HV = o.H.value_or(32);
+  base.K = o.K.value_or(128);
+  base.V = o.V.value_or(128);
+  const std::vector<int64_t> requests = o.B_list.empty() ? std::vector<int64_t>{1, 8, 32, 128} : o.B_list;
+  const int reps = o.reps.value_or(7);
+  const int64_t columns = o.spec ? base.T : 1;
+  const size_t slot_elements = static_cast<size_t>(base.HV * base.K * base.V);
+  std::mt19937_64 rng(o.seed);
+  const std::vector<int> thread_counts = default_threads(o.bench_threads);
+
+  if (!o.json) {
+    std::printf(
+        "kda decode: requests x %s, %s, pool of 2 x requests x columns slots at random, updated in "
+        "place; median of %d batches of steps\n",
+        kda_demo::describe(base).c_str(),
+        o.spec ? "speculative (the state after every token stored)" : "one state stored per request", reps);
+    std::printf("kernels dispatch to SIMD target %s\n", kda::simd_target());
+    std::printf(
+        "bound: state bytes read + written per step / this run's copy bandwidth (memcpy, read + write)\n");
+    std::printf(
+        "baseline: gather the states into a dense fp32 tensor, one recurrent_forward, scatter back\n");
+  }
+  for (int t : thread_counts) {
+    const double copy = copy_bandwidth(t, 5);
+    if (!o.json) {
+      std::printf("\n%d thread(s): copy bandwidth %.1f GB/s\n", t, copy / 1e9);
+      std::printf("%7s %5s %8s %5s %11s %10s %11s %9s %13s %9s\n", "threads", "N", "layout", "pool",
+                  "us/step", "tokens/s", "bound us", "of bound", "baseline us", "speedup");
+    }
+    for (int64_t N : requests) {
+      Shape s = base;
+      s.B = N;
+      const kda_demo::Case c = kda_demo::make_case(s, Regime::mild, DType::f32, o.seed, false);
+      kda_demo::ForwardBuffers fb(c, false);
+      const kda::ForwardOutputs fo = fb.outputs(c.problem);
+      const int64_t slots = o.slots.value_or(2 * N * columns);
+      if (slots < N * columns) usage_error("--slots must be at least B (x T with --spec)");
+      // Distinct random slots for every (request, column); starting columns at random when speculating.
+      std::vector<int64_t> order(static_cast<size_t>(slots));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<int64_t> indices(order.begin(), order.begin() + N * columns),
+          accepted(static_cast<size_t>(N), 1);
+      if (o.spec)
+        for (auto& a : accepted) a = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(columns));
+      std::vector<int64_t> start_slots(static_cast<size_t>(N));
+      for (int64_t n = 0; n < N; ++n)
+        start_slots[n] = indices[static_cast<size_t>(n * columns + accepted[n] - 1)];
+      kda::DecodeInputs in;
+      in.fwd = c.inputs();
+      in.fwd.initial_state = nullptr;  // the states are in the pool
+      in.state_indices = kda::make_indices(indices.data(), N, columns);
+      if (o.spec) in.num_accepted_tokens = kda::make_indices(accepted.data(), N);
+      kda::DecodeOutputs out;
+      out.o = fo.o;
+      // About 0.2 s per timed batch at K = V = 128: fewer steps per batch for larger batches.
+      const int64_t calls = o.calls.value_or(std::max<int64_t>(4, 800 / std::max<int64_t>(N, 8)));
+
+      for (const std::string& layout : o.layouts) {
+        for (const std::string& dtype_name : o.pool_dtypes) {
+          kda::Problem p = c.problem;
+          p.state_layout = layout == "v" ? kda::StateLayout::v_first : kda::StateLayout::k_first;
+          const kda::DType dtype = dtype_name == "bf16" ? kda::DType::bf16 : kda::DType::f32;
+          const size_t element = dtype == kda::DType::bf16 ? 2 : 4;
+          std::vector<unsigned char> storage = random_pool(slots, slot_elements, dtype, rng);
+          const kda::StatePool pool{storage.data(), dtype, slots, 0};
+          const kda::RunOptions opt{t};
+          const std::vector<double> batches = kda_demo::time_runs("", reps, [&] {
+            for (int64_t i = 0; i < calls; ++i) kda::decode(p, in, pool, out, opt);
+          });
+          DecodeRow row{t, layout, dtype_name, N, 0, 0, 0, 0};
+          row.us = kda_demo::median(batches) / static_cast<double>(calls) * 1e6;
+          // Each request's state read once, and written once per stored state.
+          const double writes = static_cast<double>(N) * static_cast<double>(columns);
+          row.state_bytes = (static_cast<double>(N) + writes) * static_cast<double>(slot_elements * element);
+          row.bound_us = row.state_bytes / copy * 1e6;
+
+          // The baseline moves the same states (speculative per-token states are not available to it:
+          // it stores only the final one).
+          GatherForwardScatter g{
+              p,           c.inputs(),     fo,    std::vector<float>(static_cast<size_t>(N) * slot_elements),
+              start_slots, storage.data(), dtype, slot_elements};
+          g.in.initial_state = g.dense.data();
+          g.out.final_state = g.dense.data();
+          const std::vector<double> base_batches = kda_demo::time_runs("", reps, [&] {
+            for (int64_t i = 0; i < calls; ++i) g.run(opt);
+          });
+          row.baseline_us = kda_demo::median(base_batches) / static_cast<double>(calls) * 1e6;
+          print_decode_row(o, s, row, copy / 1e9);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -371,6 +640,7 @@ int main(int argc, char** argv) {
   try {
     if (o.command == "check") return run_check(o);
     if (o.command == "bench") return run_bench(o);
+    if (o.command == "decode") return run_decode(o);
     const int check = run_check(o);
     std::printf("\n");
     run_bench(o);
