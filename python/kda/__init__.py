@@ -13,13 +13,13 @@ import importlib
 
 from . import _engine as engine
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 simd_target = engine.simd_target
 CHUNK_SIZE = engine.CHUNK_SIZE
 MAX_HEAD_DIM = engine.MAX_HEAD_DIM
 
-_TORCH_FUNCTIONS = {"chunk_kda", "fused_recurrent_kda", "fused_kda_gate"}
+_TORCH_FUNCTIONS = {"chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"}
 _TORCH_MODULES = {"functional", "layers", "hub", "ops"}
 
 __all__ = ["engine", "simd_target", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
@@ -29,7 +29,9 @@ def __getattr__(name):
     # Lazy, so that `import kda` needs no torch; relative, so that a copy imported under another name
     # (the kernels hub loader does that) uses its own modules.
     if name in _TORCH_FUNCTIONS:
-        return getattr(importlib.import_module(".functional", __name__), name)
+        value = getattr(importlib.import_module(".functional", __name__), name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
     if name in _TORCH_MODULES:
         module = importlib.import_module("._ops" if name == "ops" else f".{name}", __name__)
         globals()[name] = module

@@ -40,10 +40,15 @@ _BACKWARD_SCHEMA = (
 )
 
 
+# KDA_NUM_THREADS is read once, as the engine reads it (an environment lookup per call would cost a
+# tenth of a decode step's Python layer).
+_ENV_THREADS = bool(os.environ.get("KDA_NUM_THREADS"))
+
+
 def num_threads() -> int:
     """Threads for one engine call: torch's intra-op thread count, unless KDA_NUM_THREADS is set (0 lets
     the engine read it), so kda never oversubscribes the cores next to torch."""
-    return 0 if os.environ.get("KDA_NUM_THREADS") else torch.get_num_threads()
+    return 0 if _ENV_THREADS else torch.get_num_threads()
 
 
 def _dl(t):
@@ -402,11 +407,154 @@ def forward(path, direct, *args):
     """Runs a path's forward op on the op's arguments (see the module docstring); returns
     (o, final_state or None, chunk_states or None). `direct`: no gradient is recorded and the tensors
     are plain (inspect_inputs), so the implementation may run without the dispatcher when unobserved."""
-    p = PATHS[path]
     if direct and _unobserved():
-        return p.compute_forward(*args)
-    o, final, chunks = p.forward_op(*args)
+        return PATHS[path].compute_forward(*args)
+    o, final, chunks = PATHS[path].forward_op(*args)
     return o, final if args[-2] else None, chunks if args[-1] else None
 
 
-__all__ = ["NAMESPACE", "PATHS", "forward", "inspect_inputs", "num_threads"]
+# ---- serving: ops that update a state pool in place ----------------------------------------------
+
+_DECODE_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, Tensor(a!) pool, "
+    "Tensor state_indices, Tensor? num_accepted_tokens, Tensor? cu_seqlens, float scale, bool state_v_first, "
+    "bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode, Tensor(b!) out) -> ()"
+)
+_POOLED_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, Tensor(a!) pool, "
+    "Tensor pool_indices, Tensor? has_initial_state, Tensor? cu_seqlens, float scale, bool state_v_first, "
+    "bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode) -> Tensor"
+)
+
+
+def compute_decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    pool,
+    state_indices,
+    num_accepted_tokens,
+    cu_seqlens,
+    scale,
+    state_v_first,
+    qk_l2norm,
+    gate,
+    gate_lower_bound,
+    beta_mode,
+    out,
+):
+    """The decode op's implementation: writes out and updates pool's slots in place."""
+    _engine.decode(
+        _dl(q),
+        _dl(k),
+        _dl(v),
+        _dl(g),
+        _dl(beta),
+        _dl(out),
+        _dl(pool),
+        _dl(state_indices),
+        num_accepted_tokens=_dl(num_accepted_tokens),
+        A_log=_dl(A_log),
+        dt_bias=_dl(dt_bias),
+        cu_seqlens=_dl(cu_seqlens),
+        scale=scale,
+        state_v_first=state_v_first,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        gate_lower_bound=gate_lower_bound,
+        beta_mode=beta_mode,
+        num_threads=num_threads(),
+    )
+
+
+decode_op = torch.library.custom_op(
+    f"{NAMESPACE}::decode", compute_decode, mutates_args=("pool", "out"), schema=_DECODE_SCHEMA
+)
+decode_op.register_fake(lambda *args: None)
+
+
+def _pooled_forward(engine_forward):
+    def compute(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        pool,
+        pool_indices,
+        has_initial_state,
+        cu_seqlens,
+        scale,
+        state_v_first,
+        qk_l2norm,
+        gate,
+        gate_lower_bound,
+        beta_mode,
+    ):
+        o = torch.empty_like(v) if v.is_contiguous() else torch.empty(v.shape, dtype=v.dtype)
+        engine_forward(
+            _dl(q),
+            _dl(k),
+            _dl(v),
+            _dl(g),
+            _dl(beta),
+            _dl(o),
+            A_log=_dl(A_log),
+            dt_bias=_dl(dt_bias),
+            pool=_dl(pool),
+            pool_indices=_dl(pool_indices),
+            has_initial_state=_dl(has_initial_state),
+            cu_seqlens=_dl(cu_seqlens),
+            scale=scale,
+            state_v_first=state_v_first,
+            qk_l2norm=qk_l2norm,
+            gate=gate,
+            gate_lower_bound=gate_lower_bound,
+            beta_mode=beta_mode,
+            num_threads=num_threads(),
+        )
+        return o
+
+    return compute
+
+
+POOLED = {}
+for _name, _fn in (("chunk", _engine.chunk_forward), ("recurrent", _engine.recurrent_forward)):
+    _compute = _pooled_forward(_fn)
+    _op = torch.library.custom_op(
+        f"{NAMESPACE}::{_name}_pooled_fwd", _compute, mutates_args=("pool",), schema=_POOLED_SCHEMA
+    )
+    _op.register_fake(lambda q, k, v, *rest: v.new_empty(v.shape))
+    POOLED[_name] = (_compute, _op)
+
+
+def decode(direct, *args):
+    """Runs the decode op (see forward() for `direct`)."""
+    if direct and _unobserved():
+        compute_decode(*args)
+    else:
+        decode_op(*args)
+
+
+def pooled_forward(path, direct, *args):
+    """Runs a pooled prefill op (path "chunk" or "recurrent"); returns o."""
+    compute, op = POOLED[path]
+    return compute(*args) if direct and _unobserved() else op(*args)
+
+
+__all__ = [
+    "NAMESPACE",
+    "PATHS",
+    "POOLED",
+    "decode",
+    "forward",
+    "inspect_inputs",
+    "num_threads",
+    "pooled_forward",
+]

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 from . import _engine, _ops
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_kda_gate"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"]
 
-_CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "chunk_size", "transpose_state_layout"})
+_CHUNK_KWARGS = frozenset(
+    {"A_log", "dt_bias", "chunk_size", "transpose_state_layout", "ssm_state_indices", "has_initial_state"}
+)
 _RECURRENT_KWARGS = frozenset({"transpose_state_layout"})
 
 
@@ -193,7 +195,7 @@ def _prepare_activations(q, k, v, g, beta):
 
 def _side(t, dtype):
     """A_log, dt_bias, initial_state: packed, in the path's state dtype (a differentiable cast)."""
-    if t is None or (t.dtype == dtype and t.is_contiguous()):
+    if t.dtype == dtype and t.is_contiguous():
         return t
     return t.to(dtype).contiguous()
 
@@ -227,9 +229,14 @@ def _run(
     if gate == "lower_bound" and A_log is None:
         # fla's gate without A_log is lower_bound * sigmoid(g + dt_bias): exp(A_log) = 1.
         A_log = torch.zeros(v.shape[2], dtype=state_dtype)
-    A_log, dt_bias, initial_state = (_side(t, state_dtype) for t in (A_log, dt_bias, initial_state))
-    if dt_bias is not None and dt_bias.dim() != 1:
-        dt_bias = dt_bias.reshape(-1)
+    if A_log is not None:
+        A_log = _side(A_log, state_dtype)
+    if dt_bias is not None:
+        dt_bias = _side(dt_bias, state_dtype)
+        if dt_bias.dim() != 1:
+            dt_bias = dt_bias.reshape(-1)
+    if initial_state is not None:
+        initial_state = _side(initial_state, state_dtype)
     grad, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
     o, final, chunks = _ops.forward(
         path,
@@ -253,6 +260,30 @@ def _run(
         grad or want_chunk_states,
     )
     return o, final, chunks if want_chunk_states else None
+
+
+def _check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+    """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
+    messages and exception types."""
+    _check_cpu(_DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
+    _check_varlen(q, initial_state, cu_seqlens)
+    _check_shapes(q, k, v, g, beta)
+
+
+def _checked(check, run):
+    """Runs `run()`; `check()` raises fla's error for a call fla refuses. Every such call is one the
+    engine refuses too, so on the eager path `check` runs only after the engine failed (it would cost
+    as much as a one-token decode step's whole Python overhead otherwise); when torch.compile traces,
+    it runs first and costs nothing at run time."""
+    if torch.compiler.is_compiling():
+        check()
+        return run()
+    try:
+        return run()
+    except Exception as engine_error:  # re-raised below when the checks pass
+        error = engine_error
+    check()
+    raise error
 
 
 # ---- the public functions -------------------------------------------------------------------------
@@ -285,6 +316,12 @@ def chunk_kda(
 ):
     r"""Chunked (WY) KDA, the prefill and training path; fla-core 0.6.0's ``chunk_kda`` on the CPU.
 
+    Serving (kda's addition, through ``**kwargs``): with ``ssm_state_indices`` (``[N]`` int32/int64),
+    ``initial_state`` is a state pool ``[num_slots, HV, K, V]`` (or V-first; float32 or bfloat16):
+    sequence n starts from slot ``ssm_state_indices[n]`` (zeros where ``has_initial_state[n]`` is
+    False, or the index is negative) and its final state is written back to that slot in place (not for
+    a negative index). Returns ``(o, pool)``. Inference only.
+
     Shapes: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` (HV a multiple of H), ``g [B, T, HV, K]``,
     ``beta [B, T, HV]``; ``initial_state`` / ``final_state`` ``[N, HV, K, V]`` float32 (``[N, HV, V, K]``
     with ``state_v_first``), N = B or ``len(cu_seqlens) - 1`` (then B = 1).
@@ -315,11 +352,6 @@ def chunk_kda(
         raise NotImplementedError("kda: context parallelism (cp_context) is not supported on the CPU")
     if cu_seqlens is None and cu_seqlens_cpu is not None:
         raise ValueError("kda: cu_seqlens_cpu was given without cu_seqlens; pass the offsets as cu_seqlens")
-    _check_cpu(
-        _DEVICE_CHECKED,
-        (q, k, v, g, beta, initial_state, cu_seqlens, kwargs.get("A_log"), kwargs.get("dt_bias")),
-    )
-    _check_varlen(q, initial_state, cu_seqlens)
     if (
         use_graph
         and cu_seqlens is not None
@@ -330,7 +362,14 @@ def chunk_kda(
             f"cu_seqlens must be padded with zero-length tail sequences to exactly max_num_seqs + 1 entries, "
             f"got {cu_seqlens.shape[0] - 1} sequences with max_num_seqs={max_num_seqs}"
         )
-    if initial_state is not None and initial_state.dtype != torch.float32 and q.dtype != torch.float64:
+    pooled = "ssm_state_indices" in kwargs or "has_initial_state" in kwargs
+    # A state pool may be bf16 (read into fp32, rounded once when written); a dense state is fp32 as in fla.
+    if (
+        not pooled
+        and initial_state is not None
+        and initial_state.dtype != torch.float32
+        and q.dtype != torch.float64
+    ):
         raise AssertionError("initial_state must be in float32.")
 
     A_log = dt_bias = None
@@ -352,7 +391,29 @@ def chunk_kda(
     if gate == "log_decay":
         A_log = dt_bias = None
     beta_mode = _beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    _check_shapes(q, k, v, g, beta)
+
+    if pooled:
+        if return_intermediate_states:
+            raise NotImplementedError("kda: return_intermediate_states is not available with a state pool")
+        return _pooled_prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            kwargs.get("ssm_state_indices"),
+            kwargs.get("has_initial_state"),
+            A_log=A_log,
+            dt_bias=dt_bias,
+            scale=scale,
+            qk_l2norm=use_qk_l2norm_in_kernel,
+            gate=gate,
+            lower_bound=lower_bound,
+            beta_mode=beta_mode,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+        )
 
     if return_intermediate_states:
         if chunk_size != 64:
@@ -367,25 +428,28 @@ def chunk_kda(
             )
 
     out_dtype, h_dtype = q.dtype, k.dtype
-    o, final, chunks = _run(
-        "chunk",
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        qk_l2norm=use_qk_l2norm_in_kernel,
-        gate=gate,
-        lower_bound=lower_bound,
-        beta_mode=beta_mode,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        want_chunk_states=return_intermediate_states,
+    o, final, chunks = _checked(
+        lambda: _check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias),
+        lambda: _run(
+            "chunk",
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            qk_l2norm=use_qk_l2norm_in_kernel,
+            gate=gate,
+            lower_bound=lower_bound,
+            beta_mode=beta_mode,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+            want_chunk_states=return_intermediate_states,
+        ),
     )
     if o.dtype != out_dtype:
         o = o.to(out_dtype)
@@ -425,33 +489,33 @@ def fused_recurrent_kda(
     """
     _reject_unknown("fused_recurrent_kda", kwargs, _RECURRENT_KWARGS)
     state_v_first = _state_v_first(state_v_first, kwargs)
-    _check_cpu(_DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
-    _check_varlen(q, initial_state, cu_seqlens)
     gate = _gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
     beta_mode = _beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    _check_shapes(q, k, v, g, beta)
 
     out_dtype = v.dtype
-    o, final, _ = _run(
-        "recurrent",
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        qk_l2norm=use_qk_l2norm_in_kernel,
-        gate=gate,
-        lower_bound=lower_bound,
-        beta_mode=beta_mode,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
+    o, final, _ = _checked(
+        lambda: _check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias),
+        lambda: _run(
+            "recurrent",
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            qk_l2norm=use_qk_l2norm_in_kernel,
+            gate=gate,
+            lower_bound=lower_bound,
+            beta_mode=beta_mode,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+        ),
     )
     return (o if o.dtype == out_dtype else o.to(out_dtype)), final
 
@@ -487,3 +551,325 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
             x = A_log.to(compute).reshape(HV, 1).exp() * x
         y = lower_bound * torch.sigmoid(x)
     return y.to(output_dtype)
+
+
+# ---- serving: state pools updated in place ---------------------------------------------------------
+
+
+def _serving_plain(function, tensors):
+    """Refuses a call that would record a gradient (serving updates a pool in place); returns whether
+    the tensors are plain (see _ops.inspect_inputs)."""
+    recorded, plain = _ops.inspect_inputs(tensors)
+    if recorded:
+        raise RuntimeError(
+            f"kda: {function} updates a state pool in place and records no gradient; call it under "
+            "torch.no_grad() / inference_mode (chunk_kda and fused_recurrent_kda are differentiable)"
+        )
+    return plain
+
+
+def _serving_checks(
+    function, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, indices=(None, None)
+):
+    """fla-style checks of a serving call (run by _checked: after the engine refused the call)."""
+    _check_cpu(_DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
+    _check_varlen(q, None, cu_seqlens)
+    _check_shapes(q, k, v, g, beta)
+    for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
+        _index_tensor(name, t)
+    if _prepare_activations(q, k, v, g, beta)[1] == torch.float64:
+        raise TypeError(f"kda: {function} computes in float32 / bfloat16; got float64 inputs")
+
+
+def _serving_inputs(function, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
+    """Checks and casts shared by the serving entries; returns the prepared activations."""
+    _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, initial_state))
+    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    return _prepare_activations(q, k, v, g, beta)[0]
+
+
+def _index_tensor(name, t):
+    if t is None:
+        return None
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"kda computes on the CPU: '{name}' is on {t.device}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"kda: '{name}' must be an int32 or int64 tensor, got {t.dtype}")
+    return t
+
+
+def _side_f32(t):
+    return None if t is None else _side(t, torch.float32)
+
+
+def _pooled_prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    pool,
+    indices,
+    has_initial_state,
+    *,
+    A_log,
+    dt_bias,
+    scale,
+    qk_l2norm,
+    gate,
+    lower_bound,
+    beta_mode,
+    state_v_first,
+    cu_seqlens,
+    path="chunk",
+):
+    if pool is None:
+        raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
+    if indices is None:
+        raise ValueError("kda: has_initial_state needs ssm_state_indices (the pool slot of every sequence)")
+    out_dtype = q.dtype
+    q, k, v, g, beta = _serving_inputs(
+        "chunk_kda (pooled)", q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens
+    )
+    if gate == "lower_bound" and A_log is None:
+        A_log = torch.zeros(v.shape[2])
+    flags = None
+    if has_initial_state is not None:
+        flags = (
+            has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.to(torch.uint8)
+        )
+    grad, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, pool, indices, cu_seqlens))
+    o = _ops.pooled_forward(
+        path,
+        plain,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        _side_f32(A_log),
+        _side_f32(dt_bias),
+        pool,
+        _index_tensor("ssm_state_indices", indices),
+        flags,
+        cu_seqlens,
+        float(q.shape[-1] ** -0.5 if scale is None else scale),
+        bool(state_v_first),
+        bool(qk_l2norm),
+        gate,
+        float(-5.0 if lower_bound is None else lower_bound),
+        beta_mode,
+    )
+    return (o if o.dtype == out_dtype else o.to(out_dtype)), pool
+
+
+def fused_recurrent_kda_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    initial_state=None,
+    scale=None,
+    output_final_state=False,
+    inplace_final_state=True,
+    state_v_first=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    lower_bound=None,
+    out=None,
+    **kwargs,
+):
+    r"""Batched decode on a state pool: fla-core 0.6.0's ``fused_recurrent_kda_fwd``, the entry vLLM
+    and SGLang call, on kda's decode kernel (inference only).
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``: B requests of
+    T tokens (one, or a few speculative ones), or ``cu_seqlens`` (N + 1 offsets, zero-length requests
+    allowed) with B = 1. The gate, beta and L2-norm options are those of ``fused_recurrent_kda``.
+
+    With ``ssm_state_indices``, ``initial_state`` is the pool ``[num_slots, HV, K, V]`` (``[num_slots,
+    HV, V, K]`` with ``state_v_first``; float32 or bfloat16, each slot packed):
+      - ``[N]`` indices: request n starts from slot ``ssm_state_indices[n]`` and, with
+        ``inplace_final_state`` (the default), its final state is written back there;
+      - ``[N, C]`` indices: it starts from slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``
+        (column 0 without ``num_accepted_tokens``) and the state after its token t is written to slot
+        ``ssm_state_indices[n, t]`` (negative: not written);
+      - a negative starting index marks a padding row: nothing read or written, output rows zero.
+    An index past the pool, a slot written twice, or read by one request and written by another, and an
+    accepted count outside 1..C raise ``ValueError`` before anything is written. With
+    ``inplace_final_state=False`` the pool is left alone and the state after each request's last
+    token comes back as a new ``[N, HV, K, V]`` tensor (when ``output_final_state``).
+
+    Without ``ssm_state_indices``, ``initial_state`` is ``[N, HV, K, V]`` and is updated in place with
+    ``inplace_final_state`` (fla's behaviour), or left alone.
+
+    ``out``: an optional ``[B, T, HV, V]`` tensor of v's dtype for the output. Returns ``(o,
+    final_state)``: the pool (or the updated ``initial_state``) in place, else the new states or None.
+    """
+    _reject_unknown("fused_recurrent_kda_fwd", kwargs, _RECURRENT_KWARGS)
+    state_v_first = _state_v_first(state_v_first, kwargs)
+    gate = _gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda_fwd")
+    if gate == "log_decay":
+        A_log = dt_bias = None
+    beta_mode = _beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if num_accepted_tokens is not None and ssm_state_indices is None:
+        raise ValueError("kda: num_accepted_tokens needs ssm_state_indices (speculative decoding on a pool)")
+    if ssm_state_indices is not None and initial_state is None:
+        raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
+    plain = _serving_plain(
+        "fused_recurrent_kda_fwd", (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out)
+    )
+    # The engine validates every argument before it writes anything; fla's checks run only when it
+    # refused the call (they would cost as much as the rest of a decode step's Python layer).
+    return _checked(
+        lambda: _serving_checks(
+            "fused_recurrent_kda_fwd",
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            initial_state,
+            cu_seqlens,
+            (ssm_state_indices, num_accepted_tokens),
+        ),
+        lambda: _decode(
+            plain,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            initial_state,
+            scale,
+            output_final_state,
+            inplace_final_state,
+            state_v_first,
+            cu_seqlens,
+            ssm_state_indices,
+            num_accepted_tokens,
+            use_qk_l2norm_in_kernel,
+            gate,
+            lower_bound,
+            beta_mode,
+            out,
+        ),
+    )
+
+
+def _decode(
+    plain,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    scale,
+    output_final_state,
+    inplace_final_state,
+    state_v_first,
+    cu_seqlens,
+    ssm_state_indices,
+    num_accepted_tokens,
+    qk_l2norm,
+    gate,
+    lower_bound,
+    beta_mode,
+    out,
+):
+    """fused_recurrent_kda_fwd once its options are resolved."""
+    out_dtype = v.dtype
+    (q, k, v, g, beta), state_dtype = _prepare_activations(q, k, v, g, beta)
+    if state_dtype == torch.float64:
+        raise TypeError("kda: fused_recurrent_kda_fwd computes in float32 / bfloat16; got float64 inputs")
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = (HV, V, K) if state_v_first else (HV, K, V)
+    indices = _index_tensor("ssm_state_indices", ssm_state_indices)
+    accepted = _index_tensor("num_accepted_tokens", num_accepted_tokens)
+
+    if indices is None:
+        if initial_state is None:
+            pool, returned = torch.zeros((N, *state)), True
+        elif inplace_final_state:
+            pool, returned = initial_state, True
+        else:
+            pool, returned = initial_state.clone(), output_final_state
+        indices = torch.arange(N)
+    elif inplace_final_state:
+        pool, returned = initial_state, True
+    else:  # the pool stays as it is: the starting states are gathered into a pool of N slots
+        pool, indices = _gather_starting_states(initial_state, indices, accepted, N)
+        accepted, returned = None, output_final_state
+
+    o = None  # the engine's output buffer: out itself when it is of the compute dtype
+    if out is not None:
+        if tuple(out.shape) != tuple(v.shape) or out.dtype != out_dtype:
+            raise ValueError(
+                f"kda: out must be a [B, T, HV, V] = {list(v.shape)} tensor of v's dtype {out_dtype}, got "
+                f"{list(out.shape)} {out.dtype}"
+            )
+        o = out if out.dtype == v.dtype and out.stride(-1) == 1 else None
+    if o is None:
+        o = torch.empty_like(v) if v.is_contiguous() else torch.empty(v.shape, dtype=v.dtype)
+    if gate == "lower_bound" and A_log is None:
+        A_log = torch.zeros(HV)
+    _ops.decode(
+        plain,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        _side_f32(A_log),
+        _side_f32(dt_bias),
+        pool,
+        indices,
+        accepted,
+        cu_seqlens,
+        float(K**-0.5 if scale is None else scale),
+        bool(state_v_first),
+        bool(qk_l2norm),
+        gate,
+        float(-5.0 if lower_bound is None else lower_bound),
+        beta_mode,
+        o,
+    )
+    if out is not None and o is not out:
+        out.copy_(o)
+        o = out
+    elif o.dtype != out_dtype:
+        o = o.to(out_dtype)
+    return o, (pool if returned else None)
+
+
+def _gather_starting_states(pool, indices, accepted, N):
+    """The state each request starts from, as a fresh pool of N slots (padding rows zero, index -1)."""
+    table = indices.reshape(N, -1).long()
+    column = torch.zeros(N, dtype=torch.long) if accepted is None else accepted.long() - 1
+    if accepted is not None and ((column < 0) | (column >= table.shape[1])).any():
+        raise ValueError(
+            f"kda: num_accepted_tokens must lie in 1..{table.shape[1]} (the columns of ssm_state_indices)"
+        )
+    start = table.gather(1, column.view(N, 1)).view(N)
+    if (start >= pool.shape[0]).any():
+        raise ValueError(f"kda: ssm_state_indices has an index past the pool's {pool.shape[0]} slots")
+    valid = start >= 0
+    gathered = torch.zeros((N, *pool.shape[1:]), dtype=pool.dtype)
+    gathered[valid] = pool[start[valid]]
+    return gathered, torch.where(valid, torch.arange(N), torch.full((N,), -1))

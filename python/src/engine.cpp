@@ -270,6 +270,80 @@ kda::ForwardInputs forward_inputs(const kda::Problem& p, const SideShapes& s, co
   return in;
 }
 
+// ---- state pools --------------------------------------------------------------------------------
+
+// A 1-D [rows] or 2-D [rows, cols] int32 / int64 array, any strides; its values are checked by the C++
+// validation.
+kda::IndexView index_view(const char* arg, const InArray& a) {
+  check_on_cpu(arg, a);
+  if (a.ndim() != 1 && a.ndim() != 2)
+    fail_value(arg, "expected a 1-D [N] or 2-D [N, C] index array, got shape " + shape_string(a));
+  const bool i64 = is_dtype(a.dtype(), nb::dlpack::dtype_code::Int, 64);
+  if (!i64 && !is_dtype(a.dtype(), nb::dlpack::dtype_code::Int, 32))
+    fail_type(arg, "expected dtype int32 or int64, got " + dtype_string(a.dtype()));
+  kda::IndexView v;
+  v.data = data_of(a);
+  v.dtype = i64 ? kda::IndexType::i64 : kda::IndexType::i32;
+  v.rows = static_cast<int64_t>(a.shape(0));
+  v.cols = a.ndim() == 2 ? static_cast<int64_t>(a.shape(1)) : 1;
+  v.stride_row = a.stride(0);
+  v.stride_col = a.ndim() == 2 ? a.stride(1) : 1;
+  return v;
+}
+
+// A pool [num_slots, HV, K, V] (or [num_slots, HV, V, K]), f32 or bf16: each slot packed, slots any
+// distance apart (a view into a larger cache).
+kda::StatePool pool_view(const OutArray& a, const kda::Problem& p) {
+  check_on_cpu("pool", a);
+  kda::StatePool pool;
+  if (is_dtype(a.dtype(), nb::dlpack::dtype_code::Float, 32))
+    pool.dtype = kda::DType::f32;
+  else if (is_dtype(a.dtype(), nb::dlpack::dtype_code::Bfloat, 16))
+    pool.dtype = kda::DType::bf16;
+  else
+    fail_type("pool", "expected dtype float32 or bfloat16, got " + dtype_string(a.dtype()));
+  const bool vf = p.state_layout == kda::StateLayout::v_first;
+  const std::vector<int64_t> slot = {p.value_heads, vf ? p.value_dim : p.key_dim,
+                                     vf ? p.key_dim : p.value_dim};
+  bool same = a.ndim() == 4;
+  for (size_t i = 0; same && i < 3; ++i) same = static_cast<int64_t>(a.shape(i + 1)) == slot[i];
+  if (!same)
+    fail_value("pool", std::string("expected shape [num_slots, ") + std::to_string(slot[0]) + ", " +
+                           std::to_string(slot[1]) + ", " + std::to_string(slot[2]) + "] (" +
+                           (vf ? "V-first" : "K-first") + "), got " + shape_string(a));
+  int64_t expect = 1;
+  for (size_t i = 4; i-- > 1;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect)
+      fail_value("pool", "each slot must be packed (strides of the last three dimensions)");
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+  pool.data = a.data();
+  pool.num_slots = static_cast<int64_t>(a.shape(0));
+  pool.slot_stride = a.shape(0) > 1 ? a.stride(0) : 0;
+  return pool;
+}
+
+// has_initial_state: a contiguous 1-D bool / uint8 / int8 array.
+const uint8_t* flags_view(const char* arg, const InArray& a) {
+  check_on_cpu(arg, a);
+  const auto t = a.dtype();
+  const bool bytes = t.bits == 8 && t.lanes == 1 &&
+                     (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bool) ||
+                      t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) ||
+                      t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Int));
+  if (!bytes) fail_type(arg, "expected dtype bool, uint8 or int8, got " + dtype_string(t));
+  if (a.ndim() != 1 || (a.shape(0) > 1 && a.stride(0) != 1))
+    fail_value(arg, "expected a contiguous 1-D array, got shape " + shape_string(a));
+  return static_cast<const uint8_t*>(data_of(a));
+}
+
+// The pool arguments of a forward call (pooled prefill): all three or none of pool and pool_indices.
+struct PoolArgs {
+  const OptOut& pool;
+  const OptIn& indices;
+  const OptIn& has_initial_state;
+};
+
 using ForwardFn = void (*)(const kda::Problem&, const kda::ForwardInputs&, const kda::ForwardOutputs&,
                            const kda::RunOptions&);
 using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, const kda::BackwardOutputs&,
@@ -278,11 +352,23 @@ using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, con
 void run_forward(ForwardFn fn, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
                  const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
                  const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
-                 const Options& opts, int num_threads) {
+                 const PoolArgs& pa, const Options& opts, int num_threads) {
   std::vector<int64_t> offsets;
   const kda::Problem p = make_problem(q, v, opts, offsets);
   const SideShapes s = side_shapes(p);
-  const kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  kda::PooledStates pooled;
+  if (pa.pool.has_value() != pa.indices.has_value())
+    fail_value(pa.pool ? "pool_indices" : "pool", "pool and pool_indices go together (pooled prefill)");
+  if (pa.has_initial_state && !pa.pool)
+    fail_value("has_initial_state", "only used with pool and pool_indices");
+  if (pa.pool) {
+    pooled.pool = pool_view(*pa.pool, p);
+    pooled.indices = index_view("pool_indices", *pa.indices);
+    if (pa.has_initial_state)
+      pooled.has_initial_state = flags_view("has_initial_state", *pa.has_initial_state);
+    in.pooled_states = &pooled;
+  }
   kda::ForwardOutputs out;
   out.o = activation_view<kda::Output>("o", o, {p.batch, p.seq_len}, true);
   out.final_state = packed_out("final_state", final_state, s.state);
@@ -467,9 +553,28 @@ template <ForwardFn Fn>
 void forward_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
                    const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
                    const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
-                   KDA_PROBLEM_PARAMS, int num_threads) {
+                   KDA_PROBLEM_PARAMS, const OptOut& pool, const OptIn& pool_indices,
+                   const OptIn& has_initial_state, int num_threads) {
   run_forward(Fn, q, k, v, g, beta, o, A_log, dt_bias, initial_state, final_state, chunk_states,
-              KDA_PROBLEM_OPTIONS, num_threads);
+              PoolArgs{pool, pool_indices, has_initial_state}, KDA_PROBLEM_OPTIONS, num_threads);
+}
+
+void decode_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
+                  const OutArray& o, const OutArray& pool, const InArray& state_indices,
+                  const OptIn& num_accepted_tokens, const OptIn& A_log, const OptIn& dt_bias,
+                  KDA_PROBLEM_PARAMS, int num_threads) {
+  std::vector<int64_t> offsets;
+  const kda::Problem p = make_problem(q, v, KDA_PROBLEM_OPTIONS, offsets);
+  const SideShapes s = side_shapes(p);
+  kda::DecodeInputs in;
+  in.fwd = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, std::nullopt);
+  in.state_indices = index_view("state_indices", state_indices);
+  if (num_accepted_tokens) in.num_accepted_tokens = index_view("num_accepted_tokens", *num_accepted_tokens);
+  const kda::StatePool pool_v = pool_view(pool, p);
+  kda::DecodeOutputs out;
+  out.o = activation_view<kda::Output>("o", o, {p.batch, p.seq_len}, true);
+  nb::gil_scoped_release release;
+  kda::decode(p, in, pool_v, out, kda::RunOptions{num_threads});
 }
 
 template <BackwardFn Fn>
@@ -515,8 +620,9 @@ NB_MODULE(_engine, m) {
 
   const char* fwd_doc =
       "(q, k, v, g, beta, o, *, A_log, dt_bias, initial_state, final_state, chunk_states, cu_seqlens, scale, "
-      "state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode, num_threads): writes o (and final_state, "
-      "chunk_states when given).";
+      "state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode, pool, pool_indices, has_initial_state, "
+      "num_threads): writes o (and final_state, chunk_states when given; with pool and pool_indices the "
+      "states come from and go to pool slots).";
   const char* bwd_doc =
       "(q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, *, A_log, dt_bias, initial_state, d_final_state, "
       "chunk_states, d_initial_state, dA_log, ddt_bias, ...problem options, num_threads): writes every "
@@ -534,10 +640,22 @@ NB_MODULE(_engine, m) {
       nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                       \
       nb::arg("initial_state").none() = nb::none(), nb::arg("d_final_state").none() = nb::none()
 
-  m.def("chunk_forward", &forward_entry<&kda::chunk_forward>, KDA_FORWARD_ARGS, nb::arg("num_threads") = 0,
-        fwd_doc);
-  m.def("recurrent_forward", &forward_entry<&kda::recurrent_forward>, KDA_FORWARD_ARGS,
+#define KDA_POOL_ARGS                                                               \
+  nb::arg("pool").none() = nb::none(), nb::arg("pool_indices").none() = nb::none(), \
+  nb::arg("has_initial_state").none() = nb::none()
+
+  m.def("chunk_forward", &forward_entry<&kda::chunk_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
         nb::arg("num_threads") = 0, fwd_doc);
+  m.def("recurrent_forward", &forward_entry<&kda::recurrent_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
+        nb::arg("num_threads") = 0, fwd_doc);
+  m.def("decode", &decode_entry, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
+        nb::arg("o"), nb::arg("pool"), nb::arg("state_indices"), nb::kw_only(),
+        nb::arg("num_accepted_tokens").none() = nb::none(), nb::arg("A_log").none() = nb::none(),
+        nb::arg("dt_bias").none() = nb::none(), KDA_PROBLEM_ARGS, nb::arg("num_threads") = 0,
+        "(q, k, v, g, beta, o, pool, state_indices, *, num_accepted_tokens, A_log, dt_bias, ...problem "
+        "options, "
+        "num_threads): batched decode on a state pool [num_slots, HV, K, V] (or V-first), updated in place; "
+        "writes o.");
   m.def("chunk_backward", &backward_entry<&kda::chunk_backward>, KDA_BACKWARD_ARGS,
         nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
         nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,

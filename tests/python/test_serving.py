@@ -1,0 +1,299 @@
+"""Serving through the torch layer: fused_recurrent_kda_fwd (fla's serving entry, on kda's decode
+kernel) and the pooled prefill of chunk_kda, both updating a state pool in place, against the float64
+oracle; untouched slots bitwise identical; the ops declared as mutating for torch.compile."""
+
+import kda
+import pytest
+import torch
+from harness import FP32_FORWARD, Case, make_inputs, rel_rms
+from kda import _ops
+
+POISON = -1234.5  # what an untouched slot holds
+
+
+def _state_shape(case):
+    return (case.HV, case.V, case.K) if case.state_v_first else (case.HV, case.K, case.V)
+
+
+def _oracle(tensors, options, starts):
+    """Outputs and final states from the float64 oracle, starting from `starts` [N, HV, state]."""
+    t64 = {n: t.double() for n, t in tensors.items()}
+    o64 = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in options.items()}
+    o64["initial_state"] = starts.double()
+    with torch.no_grad():
+        return kda.fused_recurrent_kda(**t64, output_final_state=True, **o64)
+
+
+def _pool(case, slots, dtype):
+    return torch.full((slots, *_state_shape(case)), POISON, dtype=dtype)
+
+
+SERVING_CASES = [
+    Case(B=6, T=1, H=2, HV=4, K=32, V=16, regime="unbounded"),
+    Case(B=6, T=1, H=2, HV=2, K=128, V=128, regime="mild", state_v_first=True),
+    Case(B=5, T=3, H=1, HV=2, K=16, V=32, regime="lower_bound"),
+    Case(B=4, T=2, H=2, HV=4, K=64, V=64, regime="spike", state_v_first=True, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("pool_dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("case", SERVING_CASES, ids=str)
+def test_decode_on_a_pool_matches_the_oracle(case, pool_dtype):
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    N = case.B
+    slots = 3 * N
+    indices = torch.randperm(slots, generator=torch.Generator().manual_seed(3))[:N]
+    pool = _pool(case, slots, pool_dtype)
+    pool[indices] = starts.to(pool_dtype)
+    untouched = pool.clone()
+    with torch.inference_mode():
+        o, final = kda.fused_recurrent_kda_fwd(
+            **tensors, initial_state=pool, ssm_state_indices=indices, output_final_state=True, **options
+        )
+    assert final is pool
+    o_ref, s_ref = _oracle(tensors, options, pool_dtype_round(starts, pool_dtype))
+    assert rel_rms(o, o_ref) <= (FP32_FORWARD if case.dtype == torch.float32 else 4e-3)
+    state_limit = FP32_FORWARD if pool_dtype == torch.float32 else 3e-3
+    assert rel_rms(pool[indices].float(), s_ref) <= state_limit
+    mask = torch.ones(slots, dtype=torch.bool)
+    mask[indices] = False
+    assert torch.equal(pool[mask], untouched[mask])
+
+
+def pool_dtype_round(x, dtype):
+    return x.to(dtype).float()
+
+
+@pytest.mark.parametrize("state_v_first", (False, True))
+def test_speculative_decoding_every_accepted_count(state_v_first):
+    case = Case(B=4, T=4, H=1, HV=2, K=32, V=16, regime="unbounded", state_v_first=state_v_first)
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    N, T = case.B, case.T
+    slots = N * T + 5
+    table = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[: N * T].view(N, T)
+    accepted = torch.arange(1, N + 1, dtype=torch.int32)  # request n accepted n+1 tokens last step
+    pool = _pool(case, slots, torch.float32)
+    pool[table[torch.arange(N), accepted.long() - 1]] = starts
+    untouched = pool.clone()
+    with torch.inference_mode():
+        o, _ = kda.fused_recurrent_kda_fwd(
+            **tensors, initial_state=pool, ssm_state_indices=table, num_accepted_tokens=accepted, **options
+        )
+    o_ref, _ = _oracle(tensors, options, starts)
+    assert rel_rms(o, o_ref) <= FP32_FORWARD
+    for t in range(T):  # the state after token t is in column t's slot
+        prefix = {n: x[:, : t + 1] for n, x in tensors.items()}
+        _, s_t = _oracle(prefix, options, starts)
+        assert rel_rms(pool[table[:, t]], s_t) <= FP32_FORWARD, t
+    mask = torch.ones(slots, dtype=torch.bool)
+    mask[table.flatten()] = False
+    assert torch.equal(pool[mask], untouched[mask])
+
+
+def test_padding_rows_and_varlen_requests():
+    case = Case(T=6, cu_seqlens=[0, 1, 1, 4, 6], H=1, HV=2, K=16, V=16, regime="mild")
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    indices = torch.tensor([3, 0, -1, 5])  # request 2 (3 tokens) is padding
+    pool = _pool(case, 7, torch.float32)
+    pool[indices[indices >= 0]] = starts[indices >= 0]
+    before = pool.clone()
+    o = torch.full_like(tensors["v"], 7.0)
+    with torch.inference_mode():
+        kda.fused_recurrent_kda_fwd(
+            **tensors, initial_state=pool, ssm_state_indices=indices, out=o, **options
+        )
+    assert torch.equal(o[:, 1:4], torch.zeros_like(o[:, 1:4]))  # request 2's rows
+    assert torch.equal(pool[[1, 2, 4, 6]], before[[1, 2, 4, 6]])
+    o_ref, s_ref = _oracle(tensors, options, starts)
+    keep = torch.tensor([0, 4, 5])
+    assert rel_rms(o[:, keep], o_ref[:, keep]) <= FP32_FORWARD
+    assert rel_rms(pool[[3, 5]], s_ref[[0, 3]]) <= FP32_FORWARD
+    assert torch.equal(pool[0], before[0])  # request 1 has no token: its state is as it was
+
+
+def test_not_in_place_and_without_indices():
+    case = Case(B=3, T=1, H=2, HV=2, K=16, V=16, regime="unbounded")
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    pool = _pool(case, 5, torch.float32)
+    pool[[4, 0, 2]] = starts
+    before = pool.clone()
+    with torch.inference_mode():
+        o, final = kda.fused_recurrent_kda_fwd(
+            **tensors,
+            initial_state=pool,
+            ssm_state_indices=torch.tensor([4, 0, 2]),
+            inplace_final_state=False,
+            output_final_state=True,
+            **options,
+        )
+        o_plain, final_plain = kda.fused_recurrent_kda(
+            **tensors, initial_state=starts, output_final_state=True, **options
+        )
+        h = starts.clone()
+        o_h, final_h = kda.fused_recurrent_kda_fwd(**tensors, initial_state=h, **options)  # fla: in place
+    assert torch.equal(pool, before)
+    assert torch.equal(o, o_plain) and torch.equal(final, final_plain)
+    assert final_h is h and torch.equal(h, final_plain) and torch.equal(o_h, o_plain)
+
+
+def test_serving_errors_leave_the_pool_unchanged():
+    case = Case(B=3, T=2, H=1, HV=2, K=16, V=16, regime="mild")
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    pool = _pool(case, 6, torch.float32)
+    pool[[1, 2, 3]] = starts
+    before = pool.clone()
+
+    def call(**kw):
+        with torch.inference_mode():
+            return kda.fused_recurrent_kda_fwd(**tensors, initial_state=pool, **options, **kw)
+
+    bad = [
+        (ValueError, "past the pool", dict(ssm_state_indices=torch.tensor([1, 2, 6]))),
+        (ValueError, "written twice", dict(ssm_state_indices=torch.tensor([1, 2, 1]))),
+        (
+            ValueError,
+            "num_accepted_tokens",
+            dict(
+                ssm_state_indices=torch.tensor([[1, 4], [2, 5], [3, 0]]),
+                num_accepted_tokens=torch.tensor([1, 0, 1]),
+            ),
+        ),
+        (
+            ValueError,
+            "num_accepted_tokens",
+            dict(
+                ssm_state_indices=torch.tensor([[1, 4], [2, 5], [3, 0]]),
+                num_accepted_tokens=torch.tensor([1, 3, 1]),
+            ),
+        ),
+        (TypeError, "int32 or int64", dict(ssm_state_indices=torch.tensor([1.0, 2.0, 3.0]))),
+        (ValueError, "needs ssm_state_indices", dict(num_accepted_tokens=torch.tensor([1, 1, 1]))),
+    ]
+    for error, message, kw in bad:
+        with pytest.raises(error, match=message):
+            call(**kw)
+        assert torch.equal(pool, before), message
+    with pytest.raises(TypeError, match="'pool': expected dtype float32 or bfloat16"), torch.inference_mode():
+        kda.fused_recurrent_kda_fwd(
+            **tensors, initial_state=pool.double(), ssm_state_indices=torch.tensor([1, 2, 3]), **options
+        )
+    with pytest.raises(ValueError, match="'pool': expected shape"), torch.inference_mode():
+        kda.fused_recurrent_kda_fwd(
+            **tensors,
+            initial_state=pool.transpose(-1, -2).contiguous()[..., :8],
+            ssm_state_indices=torch.tensor([1, 2, 3]),
+            **options,
+        )
+    grad = {n: t.clone().requires_grad_() for n, t in tensors.items()}
+    with pytest.raises(RuntimeError, match="records no gradient"):
+        kda.fused_recurrent_kda_fwd(
+            **grad, initial_state=pool, ssm_state_indices=torch.tensor([1, 2, 3]), **options
+        )
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("path", ("chunk", "recurrent"))
+@pytest.mark.parametrize("pool_dtype", (torch.float32, torch.bfloat16))
+def test_pooled_prefill_equals_the_plain_forward(path, pool_dtype):
+    case = Case(T=200, cu_seqlens=[0, 70, 71, 71, 200], H=1, HV=2, K=32, V=16, regime="unbounded")
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    indices = torch.tensor([5, -1, 2, 0])
+    has = torch.tensor([True, True, True, False])
+    pool = _pool(case, 7, pool_dtype)
+    pool[[5, 2, 0]] = starts[[0, 2, 3]].to(pool_dtype)
+    reads = starts.clone()
+    reads[[0, 2]] = pool[[5, 2]].float()
+    reads[[1, 3]] = 0.0
+    with torch.inference_mode():
+        if path == "chunk":
+            o, returned = kda.chunk_kda(
+                **tensors, initial_state=pool, ssm_state_indices=indices, has_initial_state=has, **options
+            )
+        else:
+            o = _ops.pooled_forward("recurrent", True, *_pooled_args(tensors, options, pool, indices, has))
+            returned = pool
+        fn = kda.chunk_kda if path == "chunk" else kda.fused_recurrent_kda
+        o_plain, s_plain = fn(**tensors, initial_state=reads, output_final_state=True, **options)
+    assert returned is pool
+    assert torch.equal(o, o_plain)
+    assert torch.equal(pool[[5, 2, 0]], s_plain[[0, 2, 3]].to(pool_dtype))
+    assert (pool[[1, 3, 4, 6]] == POISON).all()
+
+
+def _pooled_args(tensors, options, pool, indices, has):
+    return (
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        tensors["g"],
+        tensors["beta"],
+        options["A_log"],
+        options["dt_bias"],
+        pool,
+        indices,
+        has,
+        options["cu_seqlens"],
+        32**-0.5,
+        False,
+        True,
+        "softplus",
+        -5.0,
+        "sigmoid",
+    )
+
+
+def test_decode_op_is_declared_mutating_and_compiles():
+    case = Case(B=3, T=1, H=1, HV=2, K=16, V=16, regime="unbounded")
+    tensors, options = make_inputs(case)
+    starts = options.pop("initial_state")
+    pool = _pool(case, 4, torch.float32)
+    pool[[3, 1, 0]] = starts
+    idx = torch.tensor([3, 1, 0])
+    args = (
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        tensors["g"],
+        tensors["beta"],
+        options["A_log"],
+        options["dt_bias"],
+        pool.clone(),
+        idx,
+        None,
+        None,
+        0.25,
+        False,
+        True,
+        "softplus",
+        -5.0,
+        "sigmoid",
+        torch.empty_like(tensors["v"]),
+    )
+    torch.library.opcheck(_ops.decode_op, args)
+    schema = str(_ops.decode_op._opoverload._schema)
+    assert "Tensor(a!) pool" in schema and "Tensor(b!) out" in schema
+    torch.library.opcheck(
+        _ops.POOLED["chunk"][1],
+        _pooled_args(
+            *make_inputs(Case(T=80, cu_seqlens=[0, 30, 80], regime="unbounded")),
+            pool=_pool(Case(K=32, V=32, HV=2), 3, torch.float32),
+            indices=torch.tensor([2, 0]),
+            has=None,
+        ),
+    )
+
+    def step(p):
+        o, _ = kda.fused_recurrent_kda_fwd(**tensors, initial_state=p, ssm_state_indices=idx, **options)
+        return o
+
+    eager_pool, compiled_pool = pool.clone(), pool.clone()
+    with torch.inference_mode():
+        o_eager = step(eager_pool)
+        o_compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_pool)
+    assert torch.equal(o_eager, o_compiled) and torch.equal(eager_pool, compiled_pool)
