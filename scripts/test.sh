@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Installs, builds and runs every test: the Release build's test suite and `kda check` (parity of
-# every path with the float64 oracle), then the same suite built with AddressSanitizer and
-# UndefinedBehaviorSanitizer.
+# Installs, builds and runs every test: the Release build's C++ suite and `kda check` (parity of every
+# path with the float64 oracle), the same suite built with AddressSanitizer and
+# UndefinedBehaviorSanitizer, then the Python package's pytest suite (torch layer, custom ops,
+# torch.compile, fla-core parity, the kernels hub folder, transformers' Kimi Linear) and its lint.
 #
 #   KDA_BUILD_DIR       Release build directory (default build)
 #   KDA_ASAN_BUILD_DIR  sanitizer build directory (default build-asan)
 #   KDA_JOBS            parallel compile and test jobs (default 2)
 #   KDA_SKIP_ASAN       set to 1 to skip the sanitizer build
+#   KDA_SKIP_PYTHON     set to 1 to skip the Python package and its tests
+#   KDA_VENV            the Python virtual environment (default .venv)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 build_dir="${KDA_BUILD_DIR:-build}"
 asan_dir="${KDA_ASAN_BUILD_DIR:-build-asan}"
 jobs="${KDA_JOBS:-2}"
-export KDA_BUILD_DIR="$build_dir" KDA_JOBS="$jobs"
+venv="${KDA_VENV:-.venv}"
+export KDA_BUILD_DIR="$build_dir" KDA_JOBS="$jobs" KDA_VENV="$venv"
 start=$SECONDS
 
 bash scripts/setup.sh
@@ -33,6 +37,16 @@ if [[ "${KDA_SKIP_ASAN:-0}" != 1 ]]; then
   ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \
     UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}" \
     ctest --test-dir "$asan_dir" --output-on-failure -j "$jobs"
+fi
+
+if [[ "${KDA_SKIP_PYTHON:-0}" != 1 ]]; then
+  echo "== Python: set up $venv and pip install ."
+  bash scripts/setup_python.sh
+  echo "== Python: ruff"
+  "$venv/bin/ruff" check python tests/python bench examples
+  "$venv/bin/ruff" format --check python tests/python bench examples
+  echo "== Python: pytest"
+  "$venv/bin/python" -m pytest tests/python -q
 fi
 
 echo "== every test passed ($((SECONDS - start)) s)"

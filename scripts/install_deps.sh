@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian/Ubuntu packages kda builds with (only those missing; root or sudo needed only
+# then). Used by setup.sh (the C++ build) and setup_python.sh (the Python package).
+set -euo pipefail
+
+# Each package is checked with dpkg; cmake and ninja also count as present when they are on PATH
+# (e.g. installed with pip).
+packages=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libgmock-dev libopenblas-dev clang-format)
+missing=()
+for pkg in "${packages[@]}"; do
+  case "$pkg" in
+    cmake) command -v cmake >/dev/null 2>&1 && continue ;;
+    ninja-build) command -v ninja >/dev/null 2>&1 && continue ;;
+  esac
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+
+if ((${#missing[@]})); then
+  echo "install_deps: installing ${missing[*]}"
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null 2>&1 || { echo "install_deps: need root (or sudo) to install ${missing[*]}" >&2; exit 1; }
+    sudo="sudo"
+  fi
+  $sudo apt-get update
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+else
+  echo "install_deps: every system dependency is installed"
+fi
