@@ -57,6 +57,36 @@ def _dl(t):
     return None if t is None else _to_dlpack(t)
 
 
+def _engine_options(
+    A_log,
+    dt_bias,
+    cu_seqlens,
+    scale,
+    state_v_first,
+    qk_l2norm,
+    gate,
+    gate_lower_bound,
+    beta_mode,
+    threaded=True,
+):
+    """The engine keyword arguments every op passes: the problem's options and the side tensors.
+    `threaded`: the kernels take num_threads (the single-threaded oracle does not)."""
+    options = dict(
+        A_log=_dl(A_log),
+        dt_bias=_dl(dt_bias),
+        cu_seqlens=_dl(cu_seqlens),
+        scale=scale,
+        state_v_first=state_v_first,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        gate_lower_bound=gate_lower_bound,
+        beta_mode=beta_mode,
+    )
+    if threaded:
+        options["num_threads"] = num_threads()
+    return options
+
+
 def _state_shape(n, v, k_dim, state_v_first):
     hv, v_dim = v.shape[2], v.shape[3]
     return (n, hv, v_dim, k_dim) if state_v_first else (n, hv, k_dim, v_dim)
@@ -108,22 +138,19 @@ class _Path:
         if keep_chunk_states:
             nc = _engine.num_chunks(q.shape[0], q.shape[1], _dl(cu_seqlens))
             chunks = torch.empty(_state_shape(nc, v, k_dim, state_v_first), dtype=sd)
-        kwargs = dict(
-            A_log=_dl(A_log),
-            dt_bias=_dl(dt_bias),
-            initial_state=_dl(initial_state),
-            final_state=_dl(final),
-            chunk_states=_dl(chunks),
-            cu_seqlens=_dl(cu_seqlens),
-            scale=scale,
-            state_v_first=state_v_first,
-            qk_l2norm=qk_l2norm,
-            gate=gate,
-            gate_lower_bound=gate_lower_bound,
-            beta_mode=beta_mode,
+        kwargs = _engine_options(
+            A_log,
+            dt_bias,
+            cu_seqlens,
+            scale,
+            state_v_first,
+            qk_l2norm,
+            gate,
+            gate_lower_bound,
+            beta_mode,
+            self.threaded,
         )
-        if self.threaded:
-            kwargs["num_threads"] = num_threads()
+        kwargs.update(initial_state=_dl(initial_state), final_state=_dl(final), chunk_states=_dl(chunks))
         self.engine_forward(_dl(q), _dl(k), _dl(v), _dl(g), _dl(beta), _dl(o), **kwargs)
         return o, final, chunks
 
@@ -199,24 +226,26 @@ class _Path:
         d_h0 = torch.empty(initial_state.shape, dtype=sd) if want_d_initial_state else None
         dA = torch.empty(A_log.shape, dtype=sd) if fused and A_log is not None else None
         dbias = torch.empty(dt_bias.shape, dtype=sd) if fused and dt_bias is not None else None
-        kwargs = dict(
-            A_log=_dl(A_log),
-            dt_bias=_dl(dt_bias),
+        kwargs = _engine_options(
+            A_log,
+            dt_bias,
+            cu_seqlens,
+            scale,
+            state_v_first,
+            qk_l2norm,
+            gate,
+            gate_lower_bound,
+            beta_mode,
+            self.threaded,
+        )
+        kwargs.update(
             initial_state=_dl(initial_state),
             d_final_state=_dl(d_final_state),
             d_initial_state=_dl(d_h0),
             dA_log=_dl(dA),
             ddt_bias=_dl(dbias),
-            cu_seqlens=_dl(cu_seqlens),
-            scale=scale,
-            state_v_first=state_v_first,
-            qk_l2norm=qk_l2norm,
-            gate=gate,
-            gate_lower_bound=gate_lower_bound,
-            beta_mode=beta_mode,
         )
         if self.threaded:  # the oracle is single-threaded and recomputes everything from the inputs
-            kwargs["num_threads"] = num_threads()
             kwargs["chunk_states"] = _dl(chunk_states)
         self.engine_backward(
             _dl(q),
@@ -458,16 +487,9 @@ def compute_decode(
         _dl(pool),
         _dl(state_indices),
         num_accepted_tokens=_dl(num_accepted_tokens),
-        A_log=_dl(A_log),
-        dt_bias=_dl(dt_bias),
-        cu_seqlens=_dl(cu_seqlens),
-        scale=scale,
-        state_v_first=state_v_first,
-        qk_l2norm=qk_l2norm,
-        gate=gate,
-        gate_lower_bound=gate_lower_bound,
-        beta_mode=beta_mode,
-        num_threads=num_threads(),
+        **_engine_options(
+            A_log, dt_bias, cu_seqlens, scale, state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode
+        ),
     )
 
 
@@ -505,19 +527,12 @@ def _pooled_forward(engine_forward):
             _dl(g),
             _dl(beta),
             _dl(o),
-            A_log=_dl(A_log),
-            dt_bias=_dl(dt_bias),
             pool=_dl(pool),
             pool_indices=_dl(pool_indices),
             has_initial_state=_dl(has_initial_state),
-            cu_seqlens=_dl(cu_seqlens),
-            scale=scale,
-            state_v_first=state_v_first,
-            qk_l2norm=qk_l2norm,
-            gate=gate,
-            gate_lower_bound=gate_lower_bound,
-            beta_mode=beta_mode,
-            num_threads=num_threads(),
+            **_engine_options(
+                A_log, dt_bias, cu_seqlens, scale, state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode
+            ),
         )
         return o
 
