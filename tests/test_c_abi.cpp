@@ -85,13 +85,15 @@ struct Fixture {
     dh0.assign(state, 0.0f);
   }
 
-  kda_forward_inputs c_inputs() const {
+  // The inputs as views of problem `prob` (by default the fixture's; a smaller one reads a prefix).
+  kda_forward_inputs c_inputs() const { return c_inputs(cp); }
+  kda_forward_inputs c_inputs(const kda_problem& prob) const {
     kda_forward_inputs in = KDA_FORWARD_INPUTS_INIT;
-    in.q = kda_make_input(q.data(), KDA_DTYPE_F32, &cp, H, K);
-    in.k = kda_make_input(k.data(), KDA_DTYPE_F32, &cp, H, K);
-    in.v = kda_make_input(v.data(), KDA_DTYPE_F32, &cp, HV, V);
-    in.g = kda_make_input(g.data(), KDA_DTYPE_F32, &cp, HV, K);
-    in.beta = kda_make_input(beta.data(), KDA_DTYPE_F32, &cp, HV, 1);
+    in.q = kda_make_input(q.data(), KDA_DTYPE_F32, &prob, H, K);
+    in.k = kda_make_input(k.data(), KDA_DTYPE_F32, &prob, H, K);
+    in.v = kda_make_input(v.data(), KDA_DTYPE_F32, &prob, HV, V);
+    in.g = kda_make_input(g.data(), KDA_DTYPE_F32, &prob, HV, K);
+    in.beta = kda_make_input(beta.data(), KDA_DTYPE_F32, &prob, HV, 1);
     in.initial_state = h0.data();
     return in;
   }
@@ -121,13 +123,14 @@ struct Fixture {
     return out;
   }
 
-  kda::ForwardInputs cpp_inputs() const {
+  kda::ForwardInputs cpp_inputs() const { return cpp_inputs(p); }
+  kda::ForwardInputs cpp_inputs(const kda::Problem& prob) const {
     kda::ForwardInputs in;
-    in.q = kda::make_input(q.data(), kda::DType::f32, p, H, K);
-    in.k = kda::make_input(k.data(), kda::DType::f32, p, H, K);
-    in.v = kda::make_input(v.data(), kda::DType::f32, p, HV, V);
-    in.g = kda::make_input(g.data(), kda::DType::f32, p, HV, K);
-    in.beta = kda::make_input(beta.data(), kda::DType::f32, p, HV, 1);
+    in.q = kda::make_input(q.data(), kda::DType::f32, prob, H, K);
+    in.k = kda::make_input(k.data(), kda::DType::f32, prob, H, K);
+    in.v = kda::make_input(v.data(), kda::DType::f32, prob, HV, V);
+    in.g = kda::make_input(g.data(), kda::DType::f32, prob, HV, K);
+    in.beta = kda::make_input(beta.data(), kda::DType::f32, prob, HV, 1);
     in.initial_state = h0.data();
     return in;
   }
@@ -492,7 +495,7 @@ TEST(CAbi, DecodeMirrorsCpp) {
   const int64_t idx64[N] = {4, -1, 1};
 
   auto run_c = [&](std::vector<float>& pool, std::vector<float>& o, kda_context* ctx) {
-    kda_forward_inputs fwd = f.c_inputs();
+    kda_forward_inputs fwd = f.c_inputs(cp);
     fwd.initial_state = nullptr;
     kda_decode_inputs in = KDA_DECODE_INPUTS_INIT;
     in.fwd = &fwd;
@@ -519,7 +522,7 @@ TEST(CAbi, DecodeMirrorsCpp) {
 
   std::vector<float> pool_cpp = poisoned_pool(kSlots, per_slot), o_cpp(N * HV * V, -7.0f);
   kda::DecodeInputs in;
-  in.fwd = f.cpp_inputs();
+  in.fwd = f.cpp_inputs(p);
   in.fwd.initial_state = nullptr;
   in.state_indices = kda::make_indices(idx64, N);
   kda::DecodeOutputs out;
@@ -541,7 +544,7 @@ TEST(CAbi, DecodeMirrorsCpp) {
   // A slot past the pool: rejected, pool and output untouched.
   const std::vector<float> pool_before = pool_c, o_before = o_c;
   const int32_t bad[N] = {4, 6, 1};
-  kda_forward_inputs fwd = f.c_inputs();
+  kda_forward_inputs fwd = f.c_inputs(cp);
   fwd.initial_state = nullptr;
   kda_decode_inputs bad_in = KDA_DECODE_INPUTS_INIT;
   bad_in.fwd = &fwd;
