@@ -11,9 +11,10 @@
 // Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
 // bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
 // stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
-// two AVX2 cores). The state is read from the pool once and written once per stored state. An fp32 state
-// that goes back to the slot it came from (the usual one-token step) is updated in place in the pool;
-// otherwise (a bf16 pool, another slot, per-token states) it is worked on in an fp32 copy.
+// two AVX2 cores). Every state is read from the pool once and written once per stored state: an
+// fp32 state that goes back to the slot it came from (the usual one-token step) is updated in place
+// in the pool; otherwise (a bf16 pool, another slot, per-token states) the token kernels convert each
+// group of rows into an fp32 working copy as they first touch it and out of it as they finish it.
 #include <algorithm>
 #include <cstring>
 
@@ -48,6 +49,50 @@ HWY_INLINE void prefetch_range(const float* p, int64_t n, const float* end) {
   for (; a < b; a += 64) hwy::Prefetch(a);
 }
 
+// Rows of a state in memory (a pool slot's head, or a dense state), each `len` elements of fp32 or
+// bf16, that the token kernels read their working rows from or write them to while the rows are in
+// L1, so that such a state is read once and written once. A null ref: the rows stay in the working
+// state.
+struct StateRows {
+  core::StateRef ref;
+  int64_t len = 0;
+  int64_t rows = 0;
+};
+
+void bf16_to_f32(const uint16_t* src, float* dst, int64_t n);
+void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
+
+// Working rows [r0, r0 + count) of S (ld floats each, zero past len) from `src`; prefetches the
+// source rows kPrefetchBytes ahead.
+HWY_INLINE void load_rows(const StateRows& src, int64_t r0, int64_t count, float* S, int64_t ld) {
+  const size_t element = src.ref.dtype == DType::bf16 ? 2 : 4;
+  const char* base = static_cast<const char*>(src.ref.data);
+  const char* end = base + static_cast<size_t>(src.rows * src.len) * element;
+  const char* ahead = base + static_cast<size_t>(r0 * src.len) * element + kPrefetchBytes;
+  const char* stop = std::min(ahead + static_cast<size_t>(count * src.len) * element, end);
+  for (const char* a = ahead; a < stop; a += 64) hwy::Prefetch(a);
+  for (int64_t r = r0; r < r0 + count; ++r) {
+    float* row = S + r * ld;
+    if (src.ref.dtype == DType::bf16)
+      bf16_to_f32(static_cast<const uint16_t*>(src.ref.data) + r * src.len, row, src.len);
+    else
+      std::memcpy(row, static_cast<const float*>(src.ref.data) + r * src.len,
+                  sizeof(float) * static_cast<size_t>(src.len));
+    std::fill(row + src.len, row + ld, 0.0f);
+  }
+}
+
+// Rows [r0, r0 + count) of S into `dst`, rounded once when it is bf16.
+HWY_INLINE void store_rows(const StateRows& dst, int64_t r0, int64_t count, const float* S, int64_t ld) {
+  for (int64_t r = r0; r < r0 + count; ++r) {
+    if (dst.ref.dtype == DType::bf16)
+      f32_to_bf16(S + r * ld, static_cast<uint16_t*>(dst.ref.data) + r * dst.len, dst.len);
+    else
+      std::memcpy(static_cast<float*>(dst.ref.data) + r * dst.len, S + r * ld,
+                  sizeof(float) * static_cast<size_t>(dst.len));
+  }
+}
+
 struct DecodeWork {
   int64_t Kp, Vp;
   Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
@@ -64,7 +109,7 @@ struct DecodeWork {
 // k and the state, one in e, so they stay zero).
 void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HWY_RESTRICT q,
                    const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                   float scale, float* o) {
+                   float scale, float* o, const StateRows& src, const StateRows& dst) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;  // rows per pass: four independent reductions in flight
@@ -73,7 +118,10 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
   const int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
-    prefetch_range(S + r0 * ld + ahead, R * ld, S + V * ld);
+    if (src.ref)
+      load_rows(src, r0, R, S, ld);
+    else
+      prefetch_range(S + r0 * ld + ahead, R * ld, S + V * ld);
     VF u[R];
     for (int r = 0; r < R; ++r) u[r] = hn::Zero(d);
     for (int64_t i = 0; i < ld; i += L) {
@@ -100,8 +148,10 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
       }
     }
     for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out[r]));
+    if (dst.ref) store_rows(dst, r0, R, S, ld);
   }
   for (; r0 < V; ++r0) {
+    if (src.ref) load_rows(src, r0, 1, S, ld);
     float* row = S + r0 * ld;
     VF u = hn::Zero(d);
     for (int64_t i = 0; i < ld; i += L) {
@@ -117,6 +167,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
       hn::StoreU(s, d, row + i);
     }
     o[r0] = scale * hn::GetLane(hn::SumOfLanes(d, out));
+    if (dst.ref) store_rows(dst, r0, 1, S, ld);
   }
 }
 
@@ -126,7 +177,8 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
 // streams from memory once, in address order (prefetched ahead); the second sweep finds it in L2.
 void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HWY_RESTRICT q,
                    const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
-                   float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc) {
+                   float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc,
+                   const StateRows& src, const StateRows& dst) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
@@ -137,7 +189,10 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   int64_t r0 = 0;
   for (; r0 + R <= K; r0 += R) {
     float* row = S + r0 * ld;
-    prefetch_range(row + ahead, R * ld, end);
+    if (src.ref)
+      load_rows(src, r0, R, S, ld);
+    else
+      prefetch_range(row + ahead, R * ld, end);
     VF ve[R], vk[R];
     for (int r = 0; r < R; ++r) ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]);
     for (int64_t j = 0; j < ld; j += L) {
@@ -151,6 +206,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
     }
   }
   for (; r0 < K; ++r0) {
+    if (src.ref) load_rows(src, r0, 1, S, ld);
     float* row = S + r0 * ld;
     const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]);
     for (int64_t j = 0; j < ld; j += L) {
@@ -180,6 +236,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
       }
       hn::StoreU(out, d, o + j);
     }
+    if (dst.ref) store_rows(dst, r0, R, S, ld);
   }
   for (; r0 < K; ++r0) {
     float* row = S + r0 * ld;
@@ -189,6 +246,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
       hn::StoreU(hn::MulAdd(vq, s, hn::LoadU(d, o + j)), d, o + j);
       hn::StoreU(s, d, row + j);
     }
+    if (dst.ref) store_rows(dst, r0, 1, S, ld);
   }
   const VF vs = hn::Set(d, scale);
   for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
@@ -227,9 +285,11 @@ void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = core::float_to_bf16(src[i]);
 }
 
-// The working state of one (request, head), in the state's own layout: in the pool itself when an
-// fp32 state returns to its own slot and its rows are whole vectors, else the worker's fp32 copy
-// (rows padded with zeros to whole vectors).
+// The working state of one (request, head), in the state's own layout: the pool itself when an
+// fp32 state returns to its own slot and its rows are whole vectors (updated in place), else the
+// worker's fp32 rows (padded with zeros to whole vectors), which the token kernels fill from the
+// starting state on the first token and empty into each state to be stored, row group by row group
+// (StateRows), so that every state is read once and written once.
 struct Working {
   float* S;
   int64_t ld;  // floats per row
@@ -239,48 +299,8 @@ struct Working {
 int64_t state_rows(const core::Plan& plan) { return plan.v_first() ? plan.V : plan.K; }
 int64_t state_row_length(const core::Plan& plan) { return plan.v_first() ? plan.K : plan.V; }
 
-Working working_state(const core::Plan& plan, int64_t n, int64_t hv, DecodeWork& w) {
-  const core::StateRef& in = plan.initial[n];
-  const int64_t rows = state_rows(plan), len = state_row_length(plan);
-  const bool in_place = in && plan.decode_columns == 1 && in.dtype == DType::f32 &&
-                        in.data == plan.final[n].data && len % lanes() == 0;
-  const core::StateRef src = head_state(plan, in, hv);
-  if (in_place) return {static_cast<float*>(src.data), len, true};
-  const int64_t ld = plan.v_first() ? w.Kp : w.Vp;
-  if (!in) {  // no initial state: zeros
-    std::memset(w.S.data(), 0, sizeof(float) * static_cast<size_t>(rows * ld));
-    return {w.S.data(), ld, false};
-  }
-  const size_t element = src.dtype == DType::bf16 ? 2 : 4;
-  const char* from = static_cast<const char*>(src.data);
-  const char* end = from + static_cast<size_t>(rows * len) * element;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = w.S.data() + r * ld;
-    // The state streams from the pool: prefetch ahead (see kPrefetchBytes).
-    const char* ahead = from + static_cast<size_t>(r * len) * element + kPrefetchBytes;
-    for (const char* p = ahead; p < std::min(ahead + len * static_cast<int64_t>(element), end); p += 64)
-      hwy::Prefetch(p);
-    if (src.dtype == DType::bf16)
-      bf16_to_f32(static_cast<const uint16_t*>(src.data) + r * len, dst, len);
-    else
-      std::memcpy(dst, static_cast<const float*>(src.data) + r * len,
-                  sizeof(float) * static_cast<size_t>(len));
-    std::fill(dst + len, dst + ld, 0.0f);
-  }
-  return {w.S.data(), ld, false};
-}
-
-// Writes the working copy into head hv of a state (a pool slot), rounding once when it is bf16.
-void store_working(const core::Plan& plan, const Working& s, const core::StateRef& states, int64_t hv) {
-  const core::StateRef dst = head_state(plan, states, hv);
-  const int64_t rows = state_rows(plan), len = state_row_length(plan);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = s.S + r * s.ld;
-    if (dst.dtype == DType::bf16)
-      f32_to_bf16(src, static_cast<uint16_t*>(dst.data) + r * len, len);
-    else
-      std::memcpy(static_cast<float*>(dst.data) + r * len, src, sizeof(float) * static_cast<size_t>(len));
-  }
+StateRows rows_of(const core::Plan& plan, const core::StateRef& states, int64_t hv) {
+  return {head_state(plan, states, hv), state_row_length(plan), state_rows(plan)};
 }
 
 void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, int64_t n,
@@ -293,7 +313,33 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
       core::store_row(out.o, seq.batch_index, seq.first_token + t, hv, V, w.o.data());
     return;
   }
-  const Working s = working_state(plan, n, hv, w);
+  const core::StateRef& initial = plan.initial[n];
+  const int64_t len = state_row_length(plan);
+  if (seq.length == 0) {  // no token: the final state is the initial one (zeros without one)
+    const core::StateRef& final = plan.final[n];
+    if (!final || final.data == initial.data) return;
+    const int64_t ld = plan.v_first() ? Kp : Vp;
+    if (initial)
+      load_rows(rows_of(plan, initial, hv), 0, state_rows(plan), w.S.data(), ld);
+    else
+      std::memset(w.S.data(), 0, sizeof(float) * static_cast<size_t>(state_rows(plan) * ld));
+    store_rows(rows_of(plan, final, hv), 0, state_rows(plan), w.S.data(), ld);
+    return;
+  }
+  const bool in_place = initial && plan.decode_columns == 1 && initial.dtype == DType::f32 &&
+                        initial.data == plan.final[n].data && len % lanes() == 0;
+  Working s{nullptr, len, in_place};
+  StateRows first_source;  // where the first token reads its rows from (none: already in S)
+  if (in_place) {
+    s.S = static_cast<float*>(head_state(plan, initial, hv).data);
+  } else {
+    s.S = w.S.data();
+    s.ld = plan.v_first() ? Kp : Vp;
+    if (initial)
+      first_source = rows_of(plan, initial, hv);
+    else
+      std::memset(s.S, 0, sizeof(float) * static_cast<size_t>(state_rows(plan) * s.ld));
+  }
   const ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
   const DF d;
   for (int64_t t0 = 0; t0 < seq.length; t0 += kTokens) {
@@ -305,25 +351,27 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
       for (int64_t c = 0; c < Kp; c += lanes()) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, e + c)), d, e + c);
     }
     for (int64_t i = 0; i < count; ++i) {
+      const int64_t t = t0 + i;
       const float* q = w.q.data() + i * Kp;
       const float* k = w.k.data() + i * Kp;
       const float* e = w.e.data() + i * Kp;
       const float* v = w.v.data() + i * Vp;
       float* o = w.o.data() + i * Vp;
+      const StateRows src = t == 0 ? first_source : StateRows{};
+      StateRows dst;  // the state stored after this token, if any
+      if (plan.decode_columns > 1)
+        dst = rows_of(plan, plan.token_states[static_cast<size_t>(n * plan.decode_columns + t)], hv);
+      else if (t == seq.length - 1 && !s.in_place)
+        dst = rows_of(plan, plan.final[n], hv);
       if (plan.v_first())
-        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o);
+        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o, src, dst);
       else
         token_k_first(s.S, plan.K, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o,
-                      w.acc.data());
-      if (plan.decode_columns > 1) {
-        const core::StateRef& dst = plan.token_states[static_cast<size_t>(n * plan.decode_columns + t0 + i)];
-        if (dst) store_working(plan, s, dst, hv);
-      }
+                      w.acc.data(), src, dst);
     }
     for (int64_t i = 0; i < count; ++i)
       core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
   }
-  if (!s.in_place && plan.final[n]) store_working(plan, s, plan.final[n], hv);
 }
 
 }  // namespace
