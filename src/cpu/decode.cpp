@@ -6,8 +6,10 @@
 //    k^T S1, the correction and q^T S2 all happen in one visit of the row (two passes over it while it
 //    sits in L1, four rows at a time).
 //  - K-first [K][V]: k^T S1 needs every row before any row can be corrected, so two sequential
-//    sweeps over the rows (decay and k^T S1, then the correction and q^T S2); the state, 64 KiB at
+//    sweeps over the rows (k^T S1, then the correction and q^T S2); the state, 64 KiB at
 //    K = V = 128, stays in L2 between them.
+// In both, the first pass only reads (S1 = S0 * e is recomputed in the second, which stores): one
+// multiply is cheaper than a store and a dirty line.
 // Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
 // bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
 // stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
@@ -128,9 +130,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
       const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r) {
         float* row = S + (r0 + r) * ld + i;
-        const VF s = hn::Mul(hn::LoadU(d, row), ve);
-        u[r] = hn::MulAdd(s, vk, u[r]);
-        hn::StoreU(s, d, row);
+        u[r] = hn::MulAdd(hn::Mul(hn::LoadU(d, row), ve), vk, u[r]);
       }
     }
     VF res[R], out[R];
@@ -139,10 +139,10 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
       out[r] = hn::Zero(d);
     }
     for (int64_t i = 0; i < ld; i += L) {
-      const VF vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
+      const VF ve = hn::LoadU(d, e + i), vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r) {
         float* row = S + (r0 + r) * ld + i;
-        const VF s = hn::MulAdd(res[r], vk, hn::LoadU(d, row));
+        const VF s = hn::MulAdd(res[r], vk, hn::Mul(hn::LoadU(d, row), ve));
         out[r] = hn::MulAdd(s, vq, out[r]);
         hn::StoreU(s, d, row);
       }
@@ -154,15 +154,13 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
     if (src.ref) load_rows(src, r0, 1, S, ld);
     float* row = S + r0 * ld;
     VF u = hn::Zero(d);
-    for (int64_t i = 0; i < ld; i += L) {
-      const VF s = hn::Mul(hn::LoadU(d, row + i), hn::LoadU(d, e + i));
-      u = hn::MulAdd(s, hn::LoadU(d, k + i), u);
-      hn::StoreU(s, d, row + i);
-    }
+    for (int64_t i = 0; i < ld; i += L)
+      u = hn::MulAdd(hn::Mul(hn::LoadU(d, row + i), hn::LoadU(d, e + i)), hn::LoadU(d, k + i), u);
     const VF res = hn::Set(d, beta * (v[r0] - hn::GetLane(hn::SumOfLanes(d, u))));
     VF out = hn::Zero(d);
     for (int64_t i = 0; i < ld; i += L) {
-      const VF s = hn::MulAdd(res, hn::LoadU(d, k + i), hn::LoadU(d, row + i));
+      const VF s1 = hn::Mul(hn::LoadU(d, row + i), hn::LoadU(d, e + i));
+      const VF s = hn::MulAdd(res, hn::LoadU(d, k + i), s1);
       out = hn::MulAdd(s, hn::LoadU(d, q + i), out);
       hn::StoreU(s, d, row + i);
     }
@@ -172,9 +170,11 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
 }
 
 // One token on a K-first state [K][ld] (ld a multiple of the vector length; v and o have ld floats,
-// acc is scratch of ld floats). Two sequential sweeps over the rows, four at a time: decay and
-// k^T S1 (accumulated in acc, which stays in L1), then the correction and q^T S2 (in o). The state
-// streams from memory once, in address order (prefetched ahead); the second sweep finds it in L2.
+// acc is scratch of ld floats). Two sequential sweeps over the rows, four at a time: k^T S1
+// (accumulated in acc, which stays in L1), then the decay again, the correction and q^T S2 (in o).
+// The state streams from memory once, in address order (prefetched ahead); the second sweep finds it
+// in L2. Only the second sweep stores: recomputing S0 * e costs one multiply, storing it a store and
+// a dirty line, and the store port is what the sweeps wait on.
 void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HWY_RESTRICT q,
                    const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
                    float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc,
@@ -197,11 +197,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
     for (int r = 0; r < R; ++r) ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]);
     for (int64_t j = 0; j < ld; j += L) {
       VF a = hn::LoadU(d, acc + j);
-      for (int r = 0; r < R; ++r) {
-        const VF s = hn::Mul(hn::LoadU(d, row + r * ld + j), ve[r]);
-        a = hn::MulAdd(vk[r], s, a);
-        hn::StoreU(s, d, row + r * ld + j);
-      }
+      for (int r = 0; r < R; ++r) a = hn::MulAdd(vk[r], hn::Mul(hn::LoadU(d, row + r * ld + j), ve[r]), a);
       hn::StoreU(a, d, acc + j);
     }
   }
@@ -209,11 +205,8 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
     if (src.ref) load_rows(src, r0, 1, S, ld);
     float* row = S + r0 * ld;
     const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]);
-    for (int64_t j = 0; j < ld; j += L) {
-      const VF s = hn::Mul(hn::LoadU(d, row + j), ve);
-      hn::StoreU(hn::MulAdd(vk, s, hn::LoadU(d, acc + j)), d, acc + j);
-      hn::StoreU(s, d, row + j);
-    }
+    for (int64_t j = 0; j < ld; j += L)
+      hn::StoreU(hn::MulAdd(vk, hn::Mul(hn::LoadU(d, row + j), ve), hn::LoadU(d, acc + j)), d, acc + j);
   }
   // acc becomes the residual beta (v - S1^T k); o accumulates S2^T q.
   const VF vb = hn::Set(d, beta);
@@ -224,13 +217,14 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   r0 = 0;
   for (; r0 + R <= K; r0 += R) {
     float* row = S + r0 * ld;
-    VF vk[R], vq[R];
-    for (int r = 0; r < R; ++r) vk[r] = hn::Set(d, k[r0 + r]), vq[r] = hn::Set(d, q[r0 + r]);
+    VF ve[R], vk[R], vq[R];
+    for (int r = 0; r < R; ++r)
+      ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]), vq[r] = hn::Set(d, q[r0 + r]);
     for (int64_t j = 0; j < ld; j += L) {
       const VF res = hn::LoadU(d, acc + j);
       VF out = hn::LoadU(d, o + j);
       for (int r = 0; r < R; ++r) {
-        const VF s = hn::MulAdd(vk[r], res, hn::LoadU(d, row + r * ld + j));
+        const VF s = hn::MulAdd(vk[r], res, hn::Mul(hn::LoadU(d, row + r * ld + j), ve[r]));
         out = hn::MulAdd(vq[r], s, out);
         hn::StoreU(s, d, row + r * ld + j);
       }
@@ -240,9 +234,9 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   }
   for (; r0 < K; ++r0) {
     float* row = S + r0 * ld;
-    const VF vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
+    const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
     for (int64_t j = 0; j < ld; j += L) {
-      const VF s = hn::MulAdd(vk, hn::LoadU(d, acc + j), hn::LoadU(d, row + j));
+      const VF s = hn::MulAdd(vk, hn::LoadU(d, acc + j), hn::Mul(hn::LoadU(d, row + j), ve));
       hn::StoreU(hn::MulAdd(vq, s, hn::LoadU(d, o + j)), d, o + j);
       hn::StoreU(s, d, row + j);
     }
