@@ -76,6 +76,7 @@ decode options:
   --reps N       timed batches, the median is shown (default 7)
   --calls N      steps per batch (default 800 / max(N, 8), at least 4)
   --json         one JSON object per row instead of the table
+  --no-baseline  skip the gather / recurrent_forward / scatter timing
   Each row also gives the memory-bandwidth bound (state bytes read and written per step over the
   copy bandwidth measured in the same run) and the time of the way without pools: gather the states
   into a dense tensor, one recurrent_forward, scatter them back.
@@ -95,6 +96,7 @@ struct Options {
   bool backward = true;
   bool spec = false;
   bool json = false;
+  bool baseline = true;  // decode: also time gather / recurrent_forward / scatter
   std::vector<std::string> layouts{"k", "v"}, pool_dtypes{"f32", "bf16"};
 };
 
@@ -139,6 +141,10 @@ Options parse(int argc, char** argv) {
     }
     if (flag == "--json") {
       o.json = true;
+      continue;
+    }
+    if (flag == "--no-baseline") {
+      o.baseline = false;
       continue;
     }
     if (i + 1 >= argc) usage_error("missing value after " + flag);
@@ -520,16 +526,21 @@ void print_decode_row(const Options& o, const Shape& s, const DecodeRow& r, doub
         "{\"threads\": %d, \"layout\": \"%s\", \"pool\": \"%s\", \"B\": %lld, \"T\": %lld, \"H\": %lld, "
         "\"K\": %lld, \"V\": %lld, \"spec\": %s, \"us_per_call\": %.3f, \"state_gb_per_s\": %.3f, "
         "\"copy_gb_per_s\": %.3f, \"bound_us\": %.3f, \"fraction_of_bound\": %.4f, "
-        "\"gather_forward_scatter_us\": %.3f, \"simd_target\": \"%s\"}\n",
+        "\"gather_forward_scatter_us\": %s, \"simd_target\": \"%s\"}\n",
         r.threads, r.layout.c_str(), r.pool.c_str(), static_cast<long long>(r.requests),
         static_cast<long long>(s.T), static_cast<long long>(s.H), static_cast<long long>(s.K),
         static_cast<long long>(s.V), o.spec ? "true" : "false", r.us, r.state_bytes / r.us / 1e3, copy_gbs,
-        r.bound_us, r.bound_us / r.us, r.baseline_us, kda::simd_target());
+        r.bound_us, r.bound_us / r.us, r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null",
+        kda::simd_target());
   } else {
-    std::printf("%7d %5lld %8s %5s %11.1f %10.0f %11.1f %8.0f%% %13.1f %8.2fx\n", r.threads,
+    char base[32] = "-", speedup[32] = "-";
+    if (r.baseline_us > 0) {
+      std::snprintf(base, sizeof base, "%.1f", r.baseline_us);
+      std::snprintf(speedup, sizeof speedup, "%.2fx", r.baseline_us / r.us);
+    }
+    std::printf("%7d %5lld %8s %5s %11.1f %10.0f %11.1f %8.0f%% %13s %9s\n", r.threads,
                 static_cast<long long>(r.requests), r.layout == "v" ? "V-first" : "K-first", r.pool.c_str(),
-                r.us, tokens / r.us * 1e6, r.bound_us, 100.0 * r.bound_us / r.us, r.baseline_us,
-                r.baseline_us / r.us);
+                r.us, tokens / r.us * 1e6, r.bound_us, 100.0 * r.bound_us / r.us, base, speedup);
   }
   std::fflush(stdout);
 }
@@ -621,10 +632,12 @@ int run_decode(const Options& o) {
               start_slots, storage.data(), dtype, slot_elements};
           g.in.initial_state = g.dense.data();
           g.out.final_state = g.dense.data();
-          const std::vector<double> base_batches = kda_demo::time_runs("", reps, [&] {
-            for (int64_t i = 0; i < calls; ++i) g.run(opt);
-          });
-          row.baseline_us = kda_demo::median(base_batches) / static_cast<double>(calls) * 1e6;
+          if (o.baseline) {
+            const std::vector<double> base_batches = kda_demo::time_runs("", reps, [&] {
+              for (int64_t i = 0; i < calls; ++i) g.run(opt);
+            });
+            row.baseline_us = kda_demo::median(base_batches) / static_cast<double>(calls) * 1e6;
+          }
           print_decode_row(o, s, row, copy / 1e9);
         }
       }
