@@ -279,6 +279,157 @@ void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = core::float_to_bf16(src[i]);
 }
 
+// ---- one token straight from a slot to a slot -----------------------------------------------------
+// The usual decode step that cannot run in place (a bf16 pool, or a state going to another slot): the
+// state is read from its slot and the new one written to its destination with no fp32 working copy,
+// converting in registers. The first pass only reads, so the second reads the source again (from L1
+// or L2) and stores the result. Rows must be whole vectors (len % lanes == 0).
+
+HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
+HWY_INLINE VF load_state(const uint16_t* p) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> d16;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(d16, p))));
+}
+
+HWY_INLINE void store_state(VF x, float* p) { hn::StoreU(x, DF(), p); }
+// Rounded to nearest even, NaN kept a quiet NaN (core::float_to_bf16).
+HWY_INLINE void store_state(VF x, uint16_t* p) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const auto u = hn::BitCast(du, x);
+  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), lsb)));
+  const auto quiet = hn::ShiftRight<16>(hn::Or(u, hn::Set(du, 0x400000u)));
+  const auto is_nan = hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu))), hn::Set(di, 0x7f800000));
+  hn::StoreU(hn::DemoteTo(d16, hn::IfThenElse(is_nan, hn::BitCast(di, quiet), hn::BitCast(di, rounded))), d16,
+             p);
+  (void)df;
+}
+
+template <typename T>
+HWY_INLINE void prefetch_rows(const T* base, int64_t first, int64_t count, int64_t len, int64_t rows,
+                              int64_t ahead_bytes) {
+  const char* b = reinterpret_cast<const char*>(base);
+  const char* end = b + static_cast<size_t>(rows * len) * sizeof(T);
+  const char* a = b + static_cast<size_t>(first * len) * sizeof(T) + ahead_bytes;
+  const char* stop = std::min(a + static_cast<size_t>(count * len) * sizeof(T), end);
+  for (; a < stop; a += 64) hwy::Prefetch(a);
+}
+
+// V-first [V][K] rows (len = K) from src to dst: groups of four rows, then one row at a time (the
+// accumulators stay in registers only when the compiler sees their count).
+template <typename Src, typename Dst>
+void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const float* HWY_RESTRICT q,
+                        const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
+                        float scale, float* o) {
+  const DF d;
+  const int64_t L = lanes();
+  constexpr int R = 4;
+  int64_t r0 = 0;
+  for (; r0 + R <= V; r0 += R) {
+    prefetch_rows(src, r0, R, K, V, kPrefetchBytes);
+    VF u[R], res[R], out[R];
+    for (int r = 0; r < R; ++r) u[r] = hn::Zero(d), out[r] = hn::Zero(d);
+    for (int64_t i = 0; i < K; i += L) {
+      const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
+      for (int r = 0; r < R; ++r)
+        u[r] = hn::MulAdd(hn::Mul(load_state(src + (r0 + r) * K + i), ve), vk, u[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      res[r] = hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u[r]))));
+    for (int64_t i = 0; i < K; i += L) {
+      const VF ve = hn::LoadU(d, e + i), vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + i;
+        const VF x = hn::MulAdd(res[r], vk, hn::Mul(load_state(src + at), ve));
+        out[r] = hn::MulAdd(x, vq, out[r]);
+        store_state(x, dst + at);
+      }
+    }
+    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out[r]));
+  }
+  for (; r0 < V; ++r0) {
+    const Src* row = src + r0 * K;
+    VF u = hn::Zero(d), out = hn::Zero(d);
+    for (int64_t i = 0; i < K; i += L)
+      u = hn::MulAdd(hn::Mul(load_state(row + i), hn::LoadU(d, e + i)), hn::LoadU(d, k + i), u);
+    const VF res = hn::Set(d, beta * (v[r0] - hn::GetLane(hn::SumOfLanes(d, u))));
+    for (int64_t i = 0; i < K; i += L) {
+      const VF x = hn::MulAdd(res, hn::LoadU(d, k + i), hn::Mul(load_state(row + i), hn::LoadU(d, e + i)));
+      out = hn::MulAdd(x, hn::LoadU(d, q + i), out);
+      store_state(x, dst + r0 * K + i);
+    }
+    o[r0] = scale * hn::GetLane(hn::SumOfLanes(d, out));
+  }
+}
+
+// K-first [K][V] rows (len = V) from src to dst; acc is scratch of V floats.
+template <typename Src, typename Dst>
+void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const float* HWY_RESTRICT q,
+                        const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
+                        float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc) {
+  const DF d;
+  const int64_t L = lanes();
+  constexpr int R = 4;
+  for (int64_t j = 0; j < V; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
+  for (int64_t r0 = 0; r0 < K; r0 += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, K - r0));
+    prefetch_rows(src, r0, rows, V, K, 2 * kPrefetchBytes);
+    for (int r = 0; r < rows; ++r) {
+      const VF ve = hn::Set(d, e[r0 + r]), vk = hn::Set(d, k[r0 + r]);
+      const Src* row = src + (r0 + r) * V;
+      for (int64_t j = 0; j < V; j += L)
+        hn::StoreU(hn::MulAdd(vk, hn::Mul(load_state(row + j), ve), hn::LoadU(d, acc + j)), d, acc + j);
+    }
+  }
+  const VF vb = hn::Set(d, beta);
+  for (int64_t j = 0; j < V; j += L) {
+    hn::StoreU(hn::Mul(vb, hn::Sub(hn::LoadU(d, v + j), hn::LoadU(d, acc + j))), d, acc + j);
+    hn::StoreU(hn::Zero(d), d, o + j);
+  }
+  for (int64_t r0 = 0; r0 < K; ++r0) {
+    const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
+    const Src* row = src + r0 * V;
+    Dst* to = dst + r0 * V;
+    for (int64_t j = 0; j < V; j += L) {
+      const VF x = hn::MulAdd(vk, hn::LoadU(d, acc + j), hn::Mul(load_state(row + j), ve));
+      hn::StoreU(hn::MulAdd(vq, x, hn::LoadU(d, o + j)), d, o + j);
+      store_state(x, to + j);
+    }
+  }
+  const VF vs = hn::Set(d, scale);
+  for (int64_t j = 0; j < V; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
+}
+
+// Runs the slot-to-slot token for the dtypes of src and dst.
+template <typename Src, typename Dst>
+void slot_token(const core::Plan& plan, const void* src, void* dst, const float* q, const float* k,
+                const float* e, const float* v, float beta, float* o, float* acc) {
+  const Src* s = static_cast<const Src*>(src);
+  Dst* t = static_cast<Dst*>(dst);
+  if (plan.v_first())
+    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o);
+  else
+    slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, acc);
+}
+
+void slot_token(const core::Plan& plan, const core::StateRef& src, const core::StateRef& dst, const float* q,
+                const float* k, const float* e, const float* v, float beta, float* o, float* acc) {
+  const bool src16 = src.dtype == DType::bf16, dst16 = dst.dtype == DType::bf16;
+  if (src16 && dst16)
+    slot_token<uint16_t, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+  else if (src16)
+    slot_token<uint16_t, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+  else if (dst16)
+    slot_token<float, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+  else
+    slot_token<float, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+}
+
 // The working state of one (request, head), in the state's own layout: the pool itself when an
 // fp32 state returns to its own slot and its rows are whole vectors (updated in place), else the
 // worker's fp32 rows (padded with zeros to whole vectors), which the token kernels fill from the
@@ -336,6 +487,20 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
   }
   const ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
   const DF d;
+  // One token from a slot to a slot (a bf16 pool, another slot): no working copy at all.
+  const core::StateRef& single_dst = plan.decode_columns > 1
+                                         ? plan.token_states[static_cast<size_t>(n * plan.decode_columns)]
+                                         : plan.final[n];
+  if (!in_place && seq.length == 1 && initial && single_dst && len % lanes() == 0) {
+    load_chunk_rows(plan, in.fwd, seq, hv, 0, 1, rows);
+    std::fill(w.e.data() + plan.K, w.e.data() + Kp, 0.0f);
+    for (int64_t c = 0; c < Kp; c += lanes())
+      hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.e.data() + c)), d, w.e.data() + c);
+    slot_token(plan, head_state(plan, initial, hv), head_state(plan, single_dst, hv), w.q.data(), w.k.data(),
+               w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.acc.data());
+    core::store_row(out.o, seq.batch_index, seq.first_token, hv, V, w.o.data());
+    return;
+  }
   for (int64_t t0 = 0; t0 < seq.length; t0 += kTokens) {
     const int64_t count = std::min(kTokens, seq.length - t0);
     load_chunk_rows(plan, in.fwd, seq, hv, t0, count, rows);
