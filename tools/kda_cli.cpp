@@ -34,7 +34,7 @@ using kda_demo::Case;
 using kda_demo::Regime;
 using kda_demo::Shape;
 
-constexpr const char* kUsage = R"(usage: kda [check|bench|decode] [options]
+constexpr const char* kUsage = R"(usage: kda [check|bench|decode|targets] [options]
 
   kda            run `kda check`, then `kda bench`
   kda check      compare every path with the float64 oracle: chunked and recurrent forward, and
@@ -48,6 +48,8 @@ constexpr const char* kUsage = R"(usage: kda [check|bench|decode] [options]
                  state read from its slot and written back in place) for K-first and V-first
                  pools of fp32 and bf16 states; prints the median microseconds per step, tokens/s
                  and the state bandwidth reached.
+  kda targets    the SIMD targets of this build that this CPU runs, best first, one per line
+                 (KDA_CPU_TARGET=NAME pins one for every command)
   kda --help     this text
 
 check options:
@@ -122,7 +124,7 @@ Options parse(int argc, char** argv) {
   int i = 1;
   if (i < argc && argv[i][0] != '-') {
     o.command = argv[i++];
-    if (o.command != "check" && o.command != "bench" && o.command != "decode")
+    if (o.command != "check" && o.command != "bench" && o.command != "decode" && o.command != "targets")
       usage_error("unknown command '" + o.command + "'");
   }
   for (; i < argc; ++i) {
@@ -259,6 +261,14 @@ using ForwardFn = void (*)(const kda::Problem&, const kda::ForwardInputs&, const
 using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, const kda::BackwardOutputs&,
                             const kda::RunOptions&);
 
+// The SIMD target the kernels run on (KDA_CPU_TARGET may pin one) and the others this build offers.
+void print_targets() {
+  std::string available;
+  for (const std::string& t : kda::simd_targets()) available += (available.empty() ? "" : ", ") + t;
+  std::printf("SIMD target: %s (this build and CPU offer %s; KDA_CPU_TARGET picks one)\n", kda::simd_target(),
+              available.c_str());
+}
+
 int run_check(const Options& o) {
   Shape s;
   s.B = 1;
@@ -279,7 +289,9 @@ int run_check(const Options& o) {
       kTolF32Forward, kTolF32Backward, kTolBf16);
   std::printf(
       "regimes: mild/strong/zero decay, spike-1000 (one token decays by e^-1000), unbounded "
-      "(fused softplus gate, exp(A_log) 8..32, sigmoid beta, in-kernel L2 norm)\n\n");
+      "(fused softplus gate, exp(A_log) 8..32, sigmoid beta, in-kernel L2 norm)\n");
+  print_targets();
+  std::printf("\n");
 
   Counts counts;
   const DType dtypes[] = {DType::f32, DType::bf16};
@@ -564,7 +576,7 @@ int run_decode(const Options& o) {
         "place; median of %d batches of steps\n",
         kda_demo::describe(base).c_str(),
         o.spec ? "speculative (the state after every token stored)" : "one state stored per request", reps);
-    std::printf("kernels dispatch to SIMD target %s\n", kda::simd_target());
+    print_targets();
     std::printf(
         "bound: state bytes read + written per step / this run's copy bandwidth (memcpy, read + write)\n");
     std::printf(
@@ -654,6 +666,10 @@ int main(int argc, char** argv) {
     if (o.command == "check") return run_check(o);
     if (o.command == "bench") return run_bench(o);
     if (o.command == "decode") return run_decode(o);
+    if (o.command == "targets") {
+      for (const std::string& t : kda::simd_targets()) std::printf("%s\n", t.c_str());
+      return 0;
+    }
     const int check = run_check(o);
     std::printf("\n");
     run_bench(o);

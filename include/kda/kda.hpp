@@ -19,6 +19,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace kda {
 
@@ -221,8 +222,12 @@ struct RunOptions {
 };
 
 // The SIMD target the CPU kernels run on this machine, picked at run time (e.g. "AVX3" for AVX-512,
-// "AVX2", "SCALAR").
+// "AVX2", "SCALAR"): the best of simd_targets(), or the one the environment variable KDA_CPU_TARGET
+// names (read once, at the first call; case-insensitive). A KDA_CPU_TARGET that is not one of
+// simd_targets() makes this and every entry point throw kda::Error saying what is available.
 const char* simd_target();
+// The targets compiled into this build that this CPU can run, best first.
+std::vector<std::string> simd_targets();
 
 // Number of sequences N of a problem (batch, or cu_seqlens.size() - 1).
 int64_t num_sequences(const Problem& p);

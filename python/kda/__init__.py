@@ -16,13 +16,14 @@ from . import _engine as engine
 __version__ = "0.2.0"
 
 simd_target = engine.simd_target
+simd_targets = engine.simd_targets
 CHUNK_SIZE = engine.CHUNK_SIZE
 MAX_HEAD_DIM = engine.MAX_HEAD_DIM
 
 _TORCH_FUNCTIONS = {"chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"}
 _TORCH_MODULES = {"functional", "layers", "hub", "ops"}
 
-__all__ = ["engine", "simd_target", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
+__all__ = ["engine", "simd_target", "simd_targets", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
 
 
 def __getattr__(name):

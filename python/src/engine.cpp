@@ -11,6 +11,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
@@ -598,7 +599,9 @@ NB_MODULE(_engine, m) {
       "place.";
   m.attr("CHUNK_SIZE") = kda::kChunkSize;
   m.attr("MAX_HEAD_DIM") = kda::kMaxHeadDim;
-  m.def("simd_target", &kda::simd_target, "The SIMD target the kernels dispatched to on this CPU.");
+  m.def("simd_target", &kda::simd_target,
+        "The SIMD target the kernels dispatch to on this CPU (KDA_CPU_TARGET, read once, may pin one).");
+  m.def("simd_targets", &kda::simd_targets, "The SIMD targets of this build that this CPU runs, best first.");
 
   m.def(
       "num_chunks",

@@ -21,7 +21,12 @@ IndexView make_indices(const int32_t* data, int64_t rows, int64_t cols) {
   return IndexView{data, IndexType::i32, rows, cols, cols, 1};
 }
 
-const char* simd_target() { return cpu::simd_target(); }
+const char* simd_target() {
+  cpu::select_target();
+  return cpu::simd_target();
+}
+
+std::vector<std::string> simd_targets() { return cpu::available_targets(); }
 
 int64_t num_sequences(const Problem& p) { return core::plan_problem(p).num_sequences(); }
 
@@ -30,6 +35,7 @@ int64_t num_chunks(const Problem& p) { return core::plan_problem(p).total_chunks
 void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
   core::Plan plan = core::plan_forward(p, in, out);
+  cpu::select_target();
   core::Runner run(opt.context, opt.num_threads);
   cpu::chunk_forward(plan, in, out, run);
 }
@@ -37,6 +43,7 @@ void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutpu
 void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                        const RunOptions& opt) {
   core::Plan plan = core::plan_forward(p, in, out);
+  cpu::select_target();
   core::Runner run(opt.context, opt.num_threads);
   cpu::recurrent_forward(plan, in, out, run);
 }
@@ -44,6 +51,7 @@ void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardO
 void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                     const RunOptions& opt) {
   core::Plan plan = core::plan_backward(p, in, out);
+  cpu::select_target();
   core::Runner run(opt.context, opt.num_threads);
   cpu::chunk_backward(plan, in, out, run);
 }
@@ -51,6 +59,7 @@ void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOu
 void recurrent_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                         const RunOptions& opt) {
   core::Plan plan = core::plan_backward(p, in, out);
+  cpu::select_target();
   core::Runner run(opt.context, opt.num_threads);
   cpu::recurrent_backward(plan, in, out, run);
 }
@@ -58,6 +67,7 @@ void recurrent_backward(const Problem& p, const BackwardInputs& in, const Backwa
 void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
             const RunOptions& opt) {
   core::Plan plan = core::plan_decode(p, in, pool, out);
+  cpu::select_target();
   core::Runner run(opt.context, opt.num_threads);
   cpu::decode(plan, in, out, run);
 }

@@ -1,11 +1,19 @@
 // The CPU backend's entry points. They receive a validated Plan and trust it.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "core/parallel.hpp"
 #include "core/plan.hpp"
 
 namespace kda::cpu {
 
+// Applies KDA_CPU_TARGET (once); throws kda::Error if it names a target this build or CPU lacks.
+// Every entry point calls it before dispatching.
+void select_target();
+// Names of the targets compiled into this build that this CPU runs, best first.
+std::vector<std::string> available_targets();
 // Name of the SIMD target the kernels dispatch to.
 const char* simd_target();
 

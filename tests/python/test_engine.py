@@ -26,6 +26,7 @@ def test_numpy_arrays_give_the_torch_layer_results():
         o_t, final_t = kda.chunk_kda(**tensors, output_final_state=True, **options)
     assert np.array_equal(o, o_t.numpy()) and np.array_equal(final, final_t.numpy())
     assert isinstance(kda.simd_target(), str) and kda.CHUNK_SIZE == 64 and kda.MAX_HEAD_DIM == 256
+    assert kda.simd_target() in kda.simd_targets()
 
 
 def test_read_only_inputs_are_accepted():
