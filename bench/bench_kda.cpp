@@ -244,7 +244,7 @@ int run(const Options& o, const std::string& coretype_note) {
       if (share_applies && gemm) target += ": " + verdict(gf / *gemm >= target_share);
       row(t, name, fmt("%.0f tok/s", tps), fmt("%.1f", gf), share, target);
     };
-    path_row("chunk_forward", r.chunk_fwd, r.chunk_fwd_error, chunk_fph, kChunkShareTarget);
+    path_row("chunked kernel", r.chunk_fwd, r.chunk_fwd_error, chunk_fph, kChunkShareTarget);
     path_row("recurrent_forward", r.recurrent_fwd, r.recurrent_fwd_error, rec_fph, kRecurrentShareTarget);
     if (r.chunk_fwd && r.recurrent_fwd) {
       const double ratio = *r.recurrent_fwd / *r.chunk_fwd;

@@ -330,6 +330,31 @@ void expect_rejected(Fixture& f, const std::string& needle, Call call) {
   EXPECT_TRUE(bitwise_equal(before, f.snapshot())) << "an output was written by a rejected call";
 }
 
+// kda_run_options.forward_kernel reaches the C++ option; an unknown value is rejected by name.
+TEST(CAbi, ForwardKernelOption) {
+  Fixture f;
+  for (int32_t kernel : {KDA_FORWARD_AUTOMATIC, KDA_FORWARD_CHUNKED, KDA_FORWARD_RECURRENT}) {
+    SCOPED_TRACE(kernel);
+    f.fill_outputs(-7.0f);
+    kda_run_options options = kOneThread;
+    options.forward_kernel = kernel;
+    const kda_forward_inputs in = f.c_inputs();
+    const kda_forward_outputs out = f.c_outputs();
+    ASSERT_EQ(kda_chunk_forward(&f.cp, &in, &out, &options), KDA_OK) << kda_last_error();
+    const auto via_c = f.snapshot();
+    f.fill_outputs(-7.0f);
+    kda::RunOptions opt{1};
+    opt.forward_kernel = static_cast<kda::ForwardKernel>(kernel);
+    kda::chunk_forward(f.p, f.cpp_inputs(), f.cpp_outputs(), opt);
+    EXPECT_TRUE(bitwise_equal(via_c, f.snapshot()));
+  }
+  kda_run_options bad = kOneThread;
+  bad.forward_kernel = 5;
+  const kda_forward_inputs in = f.c_inputs();
+  const kda_forward_outputs out = f.c_outputs();
+  expect_rejected(f, "forward_kernel", [&] { return kda_chunk_forward(&f.cp, &in, &out, &bad); });
+}
+
 TEST(CAbi, NullStructPointersNameTheArgument) {
   Fixture f;
   const kda_forward_inputs in = f.c_inputs();

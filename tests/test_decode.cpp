@@ -477,6 +477,8 @@ TEST(PooledPrefill, EqualsThePlainForward) {
         }
         const std::vector<uint8_t> before = pool.bytes();
         const ForwardRun plain = run_forward(kernel, d, {}, false);
+        RunOptions opt;  // the kernel under test itself (run_forward does the same)
+        opt.forward_kernel = kernel == Kernel::chunk ? ForwardKernel::chunked : ForwardKernel::recurrent;
         std::vector<float> plain_final(static_cast<size_t>(4 * slot_elems));
         {
           ForwardOutputs out;
@@ -484,7 +486,7 @@ TEST(PooledPrefill, EqualsThePlainForward) {
           out.o = o.output();
           out.final_state = plain_final.data();
           if (kernel == Kernel::chunk)
-            chunk_forward(d.problem(), d.inputs(), out);
+            chunk_forward(d.problem(), d.inputs(), out, opt);
           else
             recurrent_forward(d.problem(), d.inputs(), out);
         }
@@ -499,7 +501,7 @@ TEST(PooledPrefill, EqualsThePlainForward) {
         ForwardOutputs out;
         out.o = o.output();
         if (kernel == Kernel::chunk)
-          chunk_forward(d.problem(), in, out);
+          chunk_forward(d.problem(), in, out, opt);
         else
           recurrent_forward(d.problem(), in, out);
         EXPECT_TRUE(bitwise_equal(o, plain.out.o)) << "o";

@@ -5,6 +5,7 @@
 // Set KDA_TEST_VERBOSE=1 to print every case's errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
@@ -310,6 +311,67 @@ TEST(ForwardDeterminism, ThreadCounts) {
     EXPECT_TRUE(bitwise_equal(one.out.o, again.out.o)) << "run to run";
     const ForwardRun bare = run_forward(k, d, RunOptions{2}, /*want_states=*/false);
     EXPECT_TRUE(bitwise_equal(one.out.o, bare.out.o)) << "o changed when no state output was requested";
+  }
+}
+
+// chunk_forward's automatic choice (cpu::prefill_prefers_recurrent: the recurrent kernel on every
+// shape today) gives exactly what that kernel gives, states included; an explicit forward_kernel
+// runs the kernel it names; an unknown one is an error naming the option.
+TEST(ForwardKernelChoice, AutomaticRunsTheRecurrentKernelAndExplicitChoicesAreHonoured) {
+  Case c;
+  c.lengths = {130, 5, 64};
+  c.H = 1;
+  c.HV = 2;
+  c.K = 32;
+  c.V = 48;
+  c.initial_state = true;
+  c.regime = Regime::unbounded;
+  c.gate = GateMode::softplus;
+  c.beta = BetaMode::sigmoid;
+  c.seed = 710;
+  Data d;
+  make_data(c, d);
+  const Problem p = d.problem();
+  auto run = [&](ForwardKernel kernel) {
+    ForwardOut r;
+    r.o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
+    r.final_state.assign(static_cast<size_t>(d.state_elems()), std::nanf(""));
+    r.chunk_states.assign(static_cast<size_t>(num_chunks(p) * c.HV * c.K * c.V), std::nanf(""));
+    ForwardOutputs out;
+    out.o = r.o.output();
+    out.final_state = r.final_state.data();
+    out.chunk_states = r.chunk_states.data();
+    RunOptions opt{2};
+    opt.forward_kernel = kernel;
+    chunk_forward(p, d.inputs(), out, opt);
+    return r;
+  };
+  const ForwardOut automatic = run(ForwardKernel::automatic), recurrent = run(ForwardKernel::recurrent);
+  const ForwardOut chunked = run(ForwardKernel::chunked);
+  const ForwardRun step = run_forward(Kernel::recurrent, d, RunOptions{2});
+  const ForwardRun wy = run_forward(Kernel::chunk, d, RunOptions{2});
+  for (const ForwardOut* r : {&automatic, &recurrent}) {
+    EXPECT_TRUE(bitwise_equal(r->o, step.out.o));
+    EXPECT_TRUE(bitwise_equal(r->final_state, step.out.final_state));
+    EXPECT_TRUE(bitwise_equal(r->chunk_states, step.out.chunk_states));
+  }
+  EXPECT_TRUE(bitwise_equal(chunked.o, wy.out.o));
+  EXPECT_TRUE(bitwise_equal(chunked.chunk_states, wy.out.chunk_states));
+  const reference::ForwardResult ref = oracle_forward(d);
+  EXPECT_LE(rel_rms(ref.o, automatic.o.packed()), forward_tolerance(c.dtype));
+  EXPECT_LE(rel_rms(ref.chunk_states, automatic.chunk_states), 2e-6);
+
+  RunOptions bad{1};
+  bad.forward_kernel = static_cast<ForwardKernel>(7);
+  ForwardOut r;
+  r.o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
+  ForwardOutputs out;
+  out.o = r.o.output();
+  try {
+    chunk_forward(p, d.inputs(), out, bad);
+    ADD_FAILURE() << "an unknown forward_kernel was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("forward_kernel"), std::string::npos) << e.what();
   }
 }
 

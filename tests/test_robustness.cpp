@@ -214,14 +214,16 @@ TEST(Robustness, StatesUpdatedInPlace) {
   using Bwd = void (*)(const Problem&, const BackwardInputs&, const BackwardOutputs&, const RunOptions&);
   const std::pair<Fwd, Bwd> paths[] = {{&chunk_forward, &chunk_backward},
                                        {&recurrent_forward, &recurrent_backward}};
+  RunOptions kernel_itself;  // chunk_forward runs the chunked kernel, not its automatic choice
+  kernel_itself.forward_kernel = ForwardKernel::chunked;
   for (const auto& [fwd, bwd] : paths) {
     Tensor o1(DType::f32, 1, c.total_tokens(), c.HV, c.V, false), o2 = o1;
     std::vector<float> separate(n_state);
-    fwd(p, in, ForwardOutputs{o1.output(), separate.data(), nullptr}, {});
+    fwd(p, in, ForwardOutputs{o1.output(), separate.data(), nullptr}, kernel_itself);
     std::vector<float> pool = d.h0;  // updated in place
     ForwardInputs in_place = in;
     in_place.initial_state = pool.data();
-    fwd(p, in_place, ForwardOutputs{o2.output(), pool.data(), nullptr}, {});
+    fwd(p, in_place, ForwardOutputs{o2.output(), pool.data(), nullptr}, kernel_itself);
     EXPECT_TRUE(bitwise_equal(o1, o2));
     EXPECT_TRUE(bitwise_equal(separate, pool));
 

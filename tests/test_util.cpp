@@ -403,9 +403,11 @@ ForwardRun run_forward(Kernel kernel, const Data& d, const RunOptions& opt, bool
     out.final_state = data_or_null(r.out.final_state);
     out.chunk_states = data_or_null(r.out.chunk_states);
   }
-  if (kernel == Kernel::chunk)
-    chunk_forward(p, d.inputs(), out, opt);
-  else
+  if (kernel == Kernel::chunk) {
+    RunOptions chunked = opt;  // the chunked kernel itself, not chunk_forward's automatic choice
+    chunked.forward_kernel = ForwardKernel::chunked;
+    chunk_forward(p, d.inputs(), out, chunked);
+  } else
     recurrent_forward(p, d.inputs(), out, opt);
   r.padding_ok = r.out.o.padding_equal(before);
   return r;

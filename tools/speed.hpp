@@ -62,9 +62,10 @@ inline std::vector<double> time_runs(const std::string& label, int reps, const s
 // Median seconds of the KDA speed runs at one thread count; nullopt where a path threw (e.g. a
 // backward that is not built yet), with the reason.
 struct SpeedResult {
-  std::optional<double> chunk_fwd, recurrent_fwd;
-  std::optional<double> train_fwd, train_bwd;  // forward keeping chunk_states, then chunk_backward
-  std::string chunk_fwd_error, recurrent_fwd_error, backward_error;
+  std::optional<double> prefill_fwd;               // chunk_forward with its automatic kernel choice
+  std::optional<double> chunk_fwd, recurrent_fwd;  // each kernel itself
+  std::optional<double> train_fwd, train_bwd;      // forward keeping chunk_states, then chunk_backward
+  std::string prefill_fwd_error, chunk_fwd_error, recurrent_fwd_error, backward_error;
 };
 
 // The Case must have been made with with_backward = true for the backward runs.
@@ -76,8 +77,18 @@ inline SpeedResult measure_speed(const Case& c, int threads, int reps, bool with
   try {
     ForwardBuffers fb(c, false);
     const kda::ForwardOutputs out = fb.outputs(c.problem);
-    r.chunk_fwd =
+    r.prefill_fwd =
         median(time_runs("chunk_forward" + tag, reps, [&] { kda::chunk_forward(c.problem, in, out, opt); }));
+  } catch (const std::exception& e) {
+    r.prefill_fwd_error = e.what();
+  }
+  try {
+    ForwardBuffers fb(c, false);
+    const kda::ForwardOutputs out = fb.outputs(c.problem);
+    kda::RunOptions chunked = opt;
+    chunked.forward_kernel = kda::ForwardKernel::chunked;
+    r.chunk_fwd = median(
+        time_runs("chunked kernel" + tag, reps, [&] { kda::chunk_forward(c.problem, in, out, chunked); }));
   } catch (const std::exception& e) {
     r.chunk_fwd_error = e.what();
   }

@@ -226,10 +226,15 @@ typedef struct kda_decode_outputs {
  * kda_context_create). */
 typedef struct kda_context kda_context;
 
+/* Which kernel kda_chunk_forward runs (kda::ForwardKernel): both exact; AUTOMATIC picks the faster
+ * for the shape and thread count alone. */
+enum { KDA_FORWARD_AUTOMATIC = 0, KDA_FORWARD_CHUNKED = 1, KDA_FORWARD_RECURRENT = 2 };
+
 typedef struct kda_run_options {
   uint32_t struct_size;
-  int32_t num_threads;  /* 0: KDA_NUM_THREADS if set, else the hardware concurrency */
-  kda_context* context; /* NULL: the process-wide context */
+  int32_t num_threads;    /* 0: KDA_NUM_THREADS if set, else the hardware concurrency */
+  kda_context* context;   /* NULL: the process-wide context */
+  int32_t forward_kernel; /* KDA_FORWARD_* (default AUTOMATIC); kda_chunk_forward only */
 } kda_run_options;
 
 /* Initialisers: the struct's size, every other field zero. Designated, so that -Wextra's

@@ -216,9 +216,15 @@ class Context {
   std::unique_ptr<Impl> impl_;
 };
 
+// Which kernel chunk_forward runs. Both are exact (the same results within fp32 rounding, not bit
+// for bit); automatic picks the faster for the shape and thread count alone, so a given call always
+// runs the same kernel (see docs/api.md for the rule).
+enum class ForwardKernel : int32_t { automatic = 0, chunked = 1, recurrent = 2 };
+
 struct RunOptions {
   int num_threads = 0;         // 0: KDA_NUM_THREADS if set, else the hardware concurrency
   Context* context = nullptr;  // null: Context::global()
+  ForwardKernel forward_kernel = ForwardKernel::automatic;  // chunk_forward only
 };
 
 // The SIMD target the CPU kernels run on this machine, picked at run time (e.g. "AVX3" for AVX-512,
@@ -234,7 +240,8 @@ int64_t num_sequences(const Problem& p);
 // Total number of chunks over all sequences: sum of ceil(len_n / kChunkSize).
 int64_t num_chunks(const Problem& p);
 
-// Chunked (WY) forward: the prefill / training path.
+// The prefill / training forward: the chunked (WY) form, or the step recurrence where that is faster
+// (RunOptions::forward_kernel); either way o, the final state and the states entering every chunk.
 void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt = {});
 // Token-by-token forward: the serving and short-sequence path.

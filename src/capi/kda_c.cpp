@@ -26,6 +26,8 @@ static_assert(KDA_BETA_SIGMOID_X2 == static_cast<int>(kda::BetaMode::sigmoid_x2)
 static_assert(KDA_MAX_HEAD_DIM == kda::kMaxHeadDim);
 static_assert(KDA_CHUNK_SIZE == kda::kChunkSize);
 
+static_assert(KDA_FORWARD_CHUNKED == static_cast<int>(kda::ForwardKernel::chunked));
+static_assert(KDA_FORWARD_RECURRENT == static_cast<int>(kda::ForwardKernel::recurrent));
 static_assert(KDA_INDEX_I32 == static_cast<int>(kda::IndexType::i32));
 static_assert(KDA_INDEX_I64 == static_cast<int>(kda::IndexType::i64));
 
@@ -202,6 +204,7 @@ kda::RunOptions to_cpp(const kda_run_options* c, const char* function) {
   const kda_run_options o = read_struct(c, function, "options", "kda_run_options");
   opt.num_threads = o.num_threads;
   opt.context = o.context != nullptr ? &o.context->context : nullptr;
+  opt.forward_kernel = static_cast<kda::ForwardKernel>(o.forward_kernel);  // checked by the C++ API
   return opt;
 }
 

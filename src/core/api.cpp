@@ -1,4 +1,6 @@
 // Public C++ entry points: validate once, then hand the Plan to a backend.
+#include <string>
+
 #include "core/parallel.hpp"
 #include "core/plan.hpp"
 #include "cpu/backend.hpp"
@@ -35,9 +37,19 @@ int64_t num_chunks(const Problem& p) { return core::plan_problem(p).total_chunks
 void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
   core::Plan plan = core::plan_forward(p, in, out);
+  if (opt.forward_kernel != ForwardKernel::automatic && opt.forward_kernel != ForwardKernel::chunked &&
+      opt.forward_kernel != ForwardKernel::recurrent)
+    throw Error("kda: argument 'forward_kernel': expected automatic (0), chunked (1) or recurrent (2), got " +
+                std::to_string(static_cast<int>(opt.forward_kernel)));
   cpu::select_target();
   core::Runner run(opt.context, opt.num_threads);
-  cpu::chunk_forward(plan, in, out, run);
+  const bool recurrent =
+      opt.forward_kernel == ForwardKernel::recurrent ||
+      (opt.forward_kernel == ForwardKernel::automatic && cpu::prefill_prefers_recurrent(plan));
+  if (recurrent)
+    cpu::recurrent_forward(plan, in, out, run);
+  else
+    cpu::chunk_forward(plan, in, out, run);
 }
 
 void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
