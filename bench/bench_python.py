@@ -206,9 +206,10 @@ def yardsticks(threads):
     return sgemm, copy
 
 
-def chunk_flops(T, H, K, V, chunk=64):
-    """The chunked form's FLOPs (kda's count, see tools/speed.hpp)."""
-    return T * H * (6.0 * K * V + 3.0 * chunk * (K + V) + 5.0 / 6.0 * chunk * chunk)
+def prefill_flops(T, H, K, V):
+    """The work of a forward in the recurrent form's count, 7 K V per token and head (tools/speed.hpp):
+    the kernel chunk_kda's forward runs on the CPU (see docs/api.md, chunk_forward)."""
+    return T * H * 7.0 * K * V
 
 
 # ---- the decode overhead --------------------------------------------------------------------------
@@ -421,7 +422,7 @@ def main():
         kda_fb = results.get(("kda_chunk", "fwdbwd", T), {})
         line = f"  T={T}:"
         if "seconds" in kda_f:
-            gflops = chunk_flops(T, args.H, args.K, args.V) / kda_f["seconds"] / 1e9
+            gflops = prefill_flops(T, args.H, args.K, args.V) / kda_f["seconds"] / 1e9
             line += f" kda chunk forward {gflops:.0f} GFLOP/s = {gflops / sgemm:.0%} of sgemm;"
         if "seconds" in kda_f and "seconds" in hf_f:
             line += f" {hf_f['seconds'] / kda_f['seconds']:.0f}x faster than the torch chunk forward"
