@@ -19,6 +19,7 @@
 // group of rows into an fp32 working copy as they first touch it and out of it as they finish it.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "core/parallel.hpp"
 #include "cpu/backend.hpp"
@@ -44,11 +45,52 @@ HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 // How far ahead of the rows being updated the state is prefetched.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Prefetches the cache lines of [p, p + n) that lie before `end` (the state's end).
-HWY_INLINE void prefetch_range(const float* p, int64_t n, const float* end) {
-  const char* a = reinterpret_cast<const char*>(p);
-  const char* b = reinterpret_cast<const char*>(std::min(p + n, end));
-  for (; a < b; a += 64) hwy::Prefetch(a);
+// Prefetches the cache lines of bytes [from, from + count) of a state of `total` bytes at `base`
+// (clipped to the state).
+HWY_INLINE void prefetch_bytes(const void* base, size_t total, size_t from, size_t count) {
+  const char* b = static_cast<const char*>(base);
+  for (size_t a = from; a < std::min(from + count, total); a += 64) hwy::Prefetch(b + a);
+}
+
+// One vector of a state's elements, fp32 or bf16 (uint16_t bits), read into / written from fp32.
+HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
+HWY_INLINE VF load_state(const uint16_t* p) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> d16;
+  return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(d16, p))));
+}
+HWY_INLINE void store_state(VF x, float* p) { hn::StoreU(x, DF(), p); }
+// Rounded to nearest even, NaN kept a quiet NaN (as core::float_to_bf16).
+HWY_INLINE void store_state(VF x, uint16_t* p) {
+  const hn::RebindToSigned<DF> di;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const auto u = hn::BitCast(du, x);
+  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), lsb)));
+  const auto quiet = hn::ShiftRight<16>(hn::Or(u, hn::Set(du, 0x400000u)));
+  const auto is_nan = hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu))), hn::Set(di, 0x7f800000));
+  hn::StoreU(hn::DemoteTo(d16, hn::IfThenElse(is_nan, hn::BitCast(di, quiet), hn::BitCast(di, rounded))), d16,
+             p);
+}
+
+// n elements between a state row and an fp32 row; the tails use the scalar forms.
+template <typename From, typename To>
+void convert_row(const From* src, To* dst, int64_t n) {
+  const int64_t L = lanes();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) store_state(load_state(src + i), dst + i);
+  for (; i < n; ++i) {
+    float x;
+    if constexpr (std::is_same_v<From, uint16_t>)
+      x = core::bf16_to_float(src[i]);
+    else
+      x = src[i];
+    if constexpr (std::is_same_v<To, uint16_t>)
+      dst[i] = core::float_to_bf16(x);
+    else
+      dst[i] = x;
+  }
 }
 
 // Rows of a state in memory (a pool slot's head, or a dense state), each `len` elements of fp32 or
@@ -61,22 +103,18 @@ struct StateRows {
   int64_t rows = 0;
 };
 
-void bf16_to_f32(const uint16_t* src, float* dst, int64_t n);
-void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
-
 // Working rows [r0, r0 + count) of S (ld floats each, zero past len) from `src`; prefetches the
 // source rows kPrefetchBytes ahead.
 HWY_INLINE void load_rows(const StateRows& src, int64_t r0, int64_t count, float* S, int64_t ld) {
-  const size_t element = src.ref.dtype == DType::bf16 ? 2 : 4;
-  const char* base = static_cast<const char*>(src.ref.data);
-  const char* end = base + static_cast<size_t>(src.rows * src.len) * element;
-  const char* ahead = base + static_cast<size_t>(r0 * src.len) * element + kPrefetchBytes;
-  const char* stop = std::min(ahead + static_cast<size_t>(count * src.len) * element, end);
-  for (const char* a = ahead; a < stop; a += 64) hwy::Prefetch(a);
+  const size_t element = src.ref.dtype == DType::bf16 ? 2 : 4,
+               row_bytes = static_cast<size_t>(src.len) * element;
+  prefetch_bytes(src.ref.data, static_cast<size_t>(src.rows) * row_bytes,
+                 static_cast<size_t>(r0) * row_bytes + kPrefetchBytes,
+                 static_cast<size_t>(count) * row_bytes);
   for (int64_t r = r0; r < r0 + count; ++r) {
     float* row = S + r * ld;
     if (src.ref.dtype == DType::bf16)
-      bf16_to_f32(static_cast<const uint16_t*>(src.ref.data) + r * src.len, row, src.len);
+      convert_row(static_cast<const uint16_t*>(src.ref.data) + r * src.len, row, src.len);
     else
       std::memcpy(row, static_cast<const float*>(src.ref.data) + r * src.len,
                   sizeof(float) * static_cast<size_t>(src.len));
@@ -88,7 +126,7 @@ HWY_INLINE void load_rows(const StateRows& src, int64_t r0, int64_t count, float
 HWY_INLINE void store_rows(const StateRows& dst, int64_t r0, int64_t count, const float* S, int64_t ld) {
   for (int64_t r = r0; r < r0 + count; ++r) {
     if (dst.ref.dtype == DType::bf16)
-      f32_to_bf16(S + r * ld, static_cast<uint16_t*>(dst.ref.data) + r * dst.len, dst.len);
+      convert_row(S + r * ld, static_cast<uint16_t*>(dst.ref.data) + r * dst.len, dst.len);
     else
       std::memcpy(static_cast<float*>(dst.ref.data) + r * dst.len, S + r * ld,
                   sizeof(float) * static_cast<size_t>(dst.len));
@@ -123,7 +161,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
     if (src.ref)
       load_rows(src, r0, R, S, ld);
     else
-      prefetch_range(S + r0 * ld + ahead, R * ld, S + V * ld);
+      prefetch_bytes(S, sizeof(float) * V * ld, sizeof(float) * (r0 * ld + ahead), sizeof(float) * R * ld);
     VF u[R];
     for (int r = 0; r < R; ++r) u[r] = hn::Zero(d);
     for (int64_t i = 0; i < ld; i += L) {
@@ -184,7 +222,6 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   constexpr int R = 4;
   // Twice the V-first distance: a little faster when measured on two AVX2 cores.
   const int64_t ahead = (2 * kPrefetchBytes) / static_cast<int64_t>(sizeof(float));
-  const float* end = S + K * ld;
   for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
   int64_t r0 = 0;
   for (; r0 + R <= K; r0 += R) {
@@ -192,7 +229,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
     if (src.ref)
       load_rows(src, r0, R, S, ld);
     else
-      prefetch_range(row + ahead, R * ld, end);
+      prefetch_bytes(S, sizeof(float) * K * ld, sizeof(float) * (r0 * ld + ahead), sizeof(float) * R * ld);
     VF ve[R], vk[R];
     for (int r = 0; r < R; ++r) ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]);
     for (int64_t j = 0; j < ld; j += L) {
@@ -246,79 +283,11 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
 }
 
-// bf16 <-> fp32 over n elements. The rounding is to nearest even and keeps NaN a (quiet) NaN, as
-// core::float_to_bf16; the tails use the scalar forms.
-void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
-  const DF df;
-  const hn::RebindToSigned<DF> di;
-  const hn::Rebind<uint16_t, DF> d16;
-  const int64_t L = lanes();
-  int64_t i = 0;
-  for (; i + L <= n; i += L)
-    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(d16, src + i)))), df, dst + i);
-  for (; i < n; ++i) dst[i] = core::bf16_to_float(src[i]);
-}
-
-void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  const DF df;
-  const hn::RebindToSigned<DF> di;
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint16_t, DF> d16;
-  const int64_t L = lanes();
-  int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    const auto u = hn::BitCast(du, hn::LoadU(df, src + i));
-    const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
-    const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), lsb)));
-    const auto quiet = hn::ShiftRight<16>(hn::Or(u, hn::Set(du, 0x400000u)));
-    const auto is_nan =
-        hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu))), hn::Set(di, 0x7f800000));
-    hn::StoreU(hn::DemoteTo(d16, hn::IfThenElse(is_nan, hn::BitCast(di, quiet), hn::BitCast(di, rounded))),
-               d16, dst + i);
-  }
-  for (; i < n; ++i) dst[i] = core::float_to_bf16(src[i]);
-}
-
 // ---- one token straight from a slot to a slot -----------------------------------------------------
 // The usual decode step that cannot run in place (a bf16 pool, or a state going to another slot): the
 // state is read from its slot and the new one written to its destination with no fp32 working copy,
 // converting in registers. The first pass only reads, so the second reads the source again (from L1
 // or L2) and stores the result. Rows must be whole vectors (len % lanes == 0).
-
-HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
-HWY_INLINE VF load_state(const uint16_t* p) {
-  const DF df;
-  const hn::RebindToSigned<DF> di;
-  const hn::Rebind<uint16_t, DF> d16;
-  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(d16, p))));
-}
-
-HWY_INLINE void store_state(VF x, float* p) { hn::StoreU(x, DF(), p); }
-// Rounded to nearest even, NaN kept a quiet NaN (core::float_to_bf16).
-HWY_INLINE void store_state(VF x, uint16_t* p) {
-  const DF df;
-  const hn::RebindToSigned<DF> di;
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint16_t, DF> d16;
-  const auto u = hn::BitCast(du, x);
-  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
-  const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), lsb)));
-  const auto quiet = hn::ShiftRight<16>(hn::Or(u, hn::Set(du, 0x400000u)));
-  const auto is_nan = hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu))), hn::Set(di, 0x7f800000));
-  hn::StoreU(hn::DemoteTo(d16, hn::IfThenElse(is_nan, hn::BitCast(di, quiet), hn::BitCast(di, rounded))), d16,
-             p);
-  (void)df;
-}
-
-template <typename T>
-HWY_INLINE void prefetch_rows(const T* base, int64_t first, int64_t count, int64_t len, int64_t rows,
-                              int64_t ahead_bytes) {
-  const char* b = reinterpret_cast<const char*>(base);
-  const char* end = b + static_cast<size_t>(rows * len) * sizeof(T);
-  const char* a = b + static_cast<size_t>(first * len) * sizeof(T) + ahead_bytes;
-  const char* stop = std::min(a + static_cast<size_t>(count * len) * sizeof(T), end);
-  for (; a < stop; a += 64) hwy::Prefetch(a);
-}
 
 // V-first [V][K] rows (len = K) from src to dst: groups of four rows, then one row at a time (the
 // accumulators stay in registers only when the compiler sees their count).
@@ -331,7 +300,7 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
   constexpr int R = 4;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
-    prefetch_rows(src, r0, R, K, V, kPrefetchBytes);
+    prefetch_bytes(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
     VF u[R], res[R], out[R];
     for (int r = 0; r < R; ++r) u[r] = hn::Zero(d), out[r] = hn::Zero(d);
     for (int64_t i = 0; i < K; i += L) {
@@ -378,7 +347,8 @@ void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const fl
   for (int64_t j = 0; j < V; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
   for (int64_t r0 = 0; r0 < K; r0 += R) {
     const int rows = static_cast<int>(std::min<int64_t>(R, K - r0));
-    prefetch_rows(src, r0, rows, V, K, 2 * kPrefetchBytes);
+    prefetch_bytes(src, sizeof(Src) * K * V, sizeof(Src) * r0 * V + 2 * kPrefetchBytes,
+                   sizeof(Src) * rows * V);
     for (int r = 0; r < rows; ++r) {
       const VF ve = hn::Set(d, e[r0 + r]), vk = hn::Set(d, k[r0 + r]);
       const Src* row = src + (r0 + r) * V;
