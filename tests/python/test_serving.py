@@ -54,7 +54,9 @@ def test_decode_on_a_pool_matches_the_oracle(case, pool_dtype):
     assert final is pool
     o_ref, s_ref = _oracle(tensors, options, pool_dtype_round(starts, pool_dtype))
     assert rel_rms(o, o_ref) <= (FP32_FORWARD if case.dtype == torch.float32 else 4e-3)
-    state_limit = FP32_FORWARD if pool_dtype == torch.float32 else 3e-3
+    state_limit = (
+        FP32_FORWARD if pool_dtype == torch.float32 else 2e-3
+    )  # one bf16 rounding: <= 2^-9 per element
     assert rel_rms(pool[indices].float(), s_ref) <= state_limit
     mask = torch.ones(slots, dtype=torch.bool)
     mask[indices] = False
