@@ -22,10 +22,10 @@ const char* simd_target();
 inline constexpr int64_t kDecodeTokens = 16;
 
 // Whether chunk_forward's automatic choice is the step recurrence for this problem. Measured with
-// `kda bench` on two cores (AVX2: K = V from 16 to 256, T from 64 to 8192, H from 8 to 32, one and
-// two threads; AVX-512: T = 4096 H = 16 and T = 8192 H = 32), the recurrent kernel was 1.2x to 5x
-// faster than the chunked one everywhere, so it is chosen for every shape on the CPU; the rule lives
-// here so that a faster chunked kernel can take back the shapes it wins.
+// `kda bench` on two AVX2 cores (K = V from 16 to 256, T from 64 to 8192, H from 8 to 32), the
+// recurrent kernel was 1.4x to 5x faster than the chunked one everywhere (issue 9 reports 1.2-1.7x on
+// AVX-512), so it is chosen for every shape on the CPU; the rule lives here so that a faster chunked
+// kernel can take back the shapes it wins.
 inline bool prefill_prefers_recurrent(const core::Plan&) { return true; }
 
 // Each runs on the call's Runner (threads and workspaces of an execution context).
