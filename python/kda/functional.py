@@ -577,7 +577,11 @@ def _serving_checks(
     _check_shapes(q, k, v, g, beta)
     for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
         _index_tensor(name, t)
-    if _prepare_activations(q, k, v, g, beta)[1] == torch.float64:
+    acts = (q, k, v, g, beta)
+    for name, t in zip(_NAMES, acts, strict=True):
+        if not t.is_floating_point():
+            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    if any(t.dtype == torch.float64 for t in acts):  # checked on the dtypes: no cast is made here
         raise TypeError(f"kda: {function} computes in float32 / bfloat16; got float64 inputs")
 
 
