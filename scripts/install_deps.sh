@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian/Ubuntu packages kda builds with (only those missing; root or sudo needed only
-# then). Used by setup.sh (the C++ build) and setup_python.sh (the Python package).
+# then). Used by setup.sh (the C++ build) and setup_python.sh (the Python package); further packages
+# can be named as arguments (fuzz.sh: clang; test_arm.sh: the arm64 cross toolchain, where a name
+# ending in :arm64 also enables Debian's arm64 multiarch packages).
+#   scripts/install_deps.sh [PACKAGE...]
 set -euo pipefail
 
 # Each package is checked with dpkg; cmake and ninja also count as present when they are on PATH
 # (e.g. installed with pip).
-packages=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libgmock-dev libopenblas-dev clang-format)
+packages=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libgmock-dev libopenblas-dev clang-format "$@")
 missing=()
 for pkg in "${packages[@]}"; do
   case "$pkg" in
@@ -22,6 +25,11 @@ if ((${#missing[@]})); then
     command -v sudo >/dev/null 2>&1 || { echo "install_deps: need root (or sudo) to install ${missing[*]}" >&2; exit 1; }
     sudo="sudo"
   fi
+  for pkg in "${missing[@]}"; do
+    if [[ "$pkg" == *:arm64 ]] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+      $sudo dpkg --add-architecture arm64
+    fi
+  done
   $sudo apt-get update
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
 else

@@ -24,7 +24,9 @@ class PinnedTarget : public ::testing::Environment {
     const char* env = std::getenv("KDA_CPU_TARGET");
     if (env == nullptr || *env == '\0') return;
     try {
-      std::printf("KDA_CPU_TARGET=%s: the kernels run on %s\n", env, kda::simd_target());
+      std::printf("KDA_CPU_TARGET=%s: the kernels run on %s with %d-bit vectors (the CPU's: %d)%s\n", env,
+                  kda::simd_target(), kda::simd_vector_bits(), kda::simd_hardware_vector_bits(),
+                  std::getenv("KDA_TEST_EMULATED") ? "; grids sized for emulation" : "");
     } catch (const kda::Error& e) {
       std::printf("skipped: %s\n", e.what());
       std::fflush(stdout);
@@ -45,6 +47,15 @@ TEST(Targets, TheBestAvailableOrThePinnedOneRuns) {
     EXPECT_EQ(upper(running), upper(env));
   else
     EXPECT_EQ(running, available.front());  // best first
+}
+
+// Tiles are padded to 16 floats, so the kernels' vectors must divide 512 bits whatever the CPU has.
+TEST(Targets, KernelVectorsDivideThePaddedRow) {
+  const int bits = kda::simd_vector_bits(), hardware = kda::simd_hardware_vector_bits();
+  EXPECT_GE(bits, 32);
+  EXPECT_LE(bits, 512);
+  EXPECT_EQ(512 % bits, 0) << bits;
+  EXPECT_EQ(bits, std::min(hardware, 512)) << "the cap shortens only vectors wider than 512 bits";
 }
 
 }  // namespace

@@ -232,6 +232,10 @@ struct RunOptions {
 // names (read once, at the first call; case-insensitive). A KDA_CPU_TARGET that is not one of
 // simd_targets() makes this and every entry point throw kda::Error saying what is available.
 const char* simd_target();
+// Width in bits of the vectors the kernels use on that target, and of the CPU's own vectors (they
+// differ on SVE machines wider than 512 bits: the kernels cap their vectors at 16 floats).
+int simd_vector_bits();
+int simd_hardware_vector_bits();
 // The targets compiled into this build that this CPU can run, best first.
 std::vector<std::string> simd_targets();
 

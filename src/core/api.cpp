@@ -28,6 +28,16 @@ const char* simd_target() {
   return cpu::simd_target();
 }
 
+int simd_vector_bits() {
+  cpu::select_target();
+  return cpu::simd_vector_bits(false);
+}
+
+int simd_hardware_vector_bits() {
+  cpu::select_target();
+  return cpu::simd_vector_bits(true);
+}
+
 std::vector<std::string> simd_targets() { return cpu::available_targets(); }
 
 int64_t num_sequences(const Problem& p) { return core::plan_problem(p).num_sequences(); }

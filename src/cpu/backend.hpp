@@ -16,6 +16,8 @@ void select_target();
 std::vector<std::string> available_targets();
 // Name of the SIMD target the kernels dispatch to.
 const char* simd_target();
+// Bits of the vectors the kernels use (hardware = false) or of the CPU's vectors, on that target.
+int simd_vector_bits(bool hardware);
 
 // recurrent_forward hands sequences of at most this many tokens (when no chunk_states are asked
 // for) to the decode kernel.

@@ -65,6 +65,10 @@ void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const Forward
 }
 
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+int VectorBits(bool hardware) {
+  const size_t lanes = hardware ? hn::Lanes(hn::ScalableTag<float>()) : hn::Lanes(DF());
+  return static_cast<int>(lanes * 32);
+}
 
 }  // namespace kda::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -73,6 +77,7 @@ HWY_AFTER_NAMESPACE();
 namespace kda::cpu {
 HWY_EXPORT(ChunkForward);
 HWY_EXPORT(TargetName);
+HWY_EXPORT(VectorBits);
 
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                    core::Runner& run) {
@@ -80,5 +85,6 @@ void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const Forwar
 }
 
 const char* simd_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+int simd_vector_bits(bool hardware) { return HWY_DYNAMIC_DISPATCH(VectorBits)(hardware); }
 }  // namespace kda::cpu
 #endif

@@ -66,7 +66,7 @@ struct ChunkWork {
 
 // acc[d] += g[d] over n floats (n a multiple of kPad).
 HWY_INLINE void gate_sum(double* acc, const float* g, int64_t n) {
-  const hn::ScalableTag<double> dd;
+  const DD dd;
   const hn::Rebind<float, decltype(dd)> dh;
   const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
   for (int64_t i = 0; i < n; i += Ld)
@@ -75,7 +75,7 @@ HWY_INLINE void gate_sum(double* acc, const float* g, int64_t n) {
 
 // out[d] = exp(acc[d]) for a row of gate sums (all <= 0).
 HWY_INLINE void exp_of_sum(const double* acc, float* out, int64_t n) {
-  const hn::ScalableTag<double> dd;
+  const DD dd;
   const hn::Rebind<float, decltype(dd)> dh;
   const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
   for (int64_t i = 0; i < n; i += Ld) hn::StoreU(hn::DemoteTo(dh, hn::LoadU(dd, acc + i)), dh, out + i);

@@ -162,30 +162,30 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
       load_rows(src, r0, R, S, ld);
     else
       prefetch_bytes(S, sizeof(float) * V * ld, sizeof(float) * (r0 * ld + ahead), sizeof(float) * R * ld);
-    VF u[R];
-    for (int r = 0; r < R; ++r) u[r] = hn::Zero(d);
+    VectorArray<R> u;
+    for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d));
     for (int64_t i = 0; i < ld; i += L) {
       const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r) {
         float* row = S + (r0 + r) * ld + i;
-        u[r] = hn::MulAdd(hn::Mul(hn::LoadU(d, row), ve), vk, u[r]);
+        u.set(r, hn::MulAdd(hn::Mul(hn::LoadU(d, row), ve), vk, u.get(r)));
       }
     }
-    VF res[R], out[R];
+    VectorArray<R> res, out;
     for (int r = 0; r < R; ++r) {
-      res[r] = hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u[r]))));
-      out[r] = hn::Zero(d);
+      res.set(r, hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))))));
+      out.set(r, hn::Zero(d));
     }
     for (int64_t i = 0; i < ld; i += L) {
       const VF ve = hn::LoadU(d, e + i), vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r) {
         float* row = S + (r0 + r) * ld + i;
-        const VF s = hn::MulAdd(res[r], vk, hn::Mul(hn::LoadU(d, row), ve));
-        out[r] = hn::MulAdd(s, vq, out[r]);
+        const VF s = hn::MulAdd(res.get(r), vk, hn::Mul(hn::LoadU(d, row), ve));
+        out.set(r, hn::MulAdd(s, vq, out.get(r)));
         hn::StoreU(s, d, row);
       }
     }
-    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out[r]));
+    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
     if (dst.ref) store_rows(dst, r0, R, S, ld);
   }
   for (; r0 < V; ++r0) {
@@ -230,11 +230,12 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
       load_rows(src, r0, R, S, ld);
     else
       prefetch_bytes(S, sizeof(float) * K * ld, sizeof(float) * (r0 * ld + ahead), sizeof(float) * R * ld);
-    VF ve[R], vk[R];
-    for (int r = 0; r < R; ++r) ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]);
+    VectorArray<R> ve, vk;
+    for (int r = 0; r < R; ++r) ve.set(r, hn::Set(d, e[r0 + r])), vk.set(r, hn::Set(d, k[r0 + r]));
     for (int64_t j = 0; j < ld; j += L) {
       VF a = hn::LoadU(d, acc + j);
-      for (int r = 0; r < R; ++r) a = hn::MulAdd(vk[r], hn::Mul(hn::LoadU(d, row + r * ld + j), ve[r]), a);
+      for (int r = 0; r < R; ++r)
+        a = hn::MulAdd(vk.get(r), hn::Mul(hn::LoadU(d, row + r * ld + j), ve.get(r)), a);
       hn::StoreU(a, d, acc + j);
     }
   }
@@ -254,15 +255,15 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   r0 = 0;
   for (; r0 + R <= K; r0 += R) {
     float* row = S + r0 * ld;
-    VF ve[R], vk[R], vq[R];
+    VectorArray<R> ve, vk, vq;
     for (int r = 0; r < R; ++r)
-      ve[r] = hn::Set(d, e[r0 + r]), vk[r] = hn::Set(d, k[r0 + r]), vq[r] = hn::Set(d, q[r0 + r]);
+      ve.set(r, hn::Set(d, e[r0 + r])), vk.set(r, hn::Set(d, k[r0 + r])), vq.set(r, hn::Set(d, q[r0 + r]));
     for (int64_t j = 0; j < ld; j += L) {
       const VF res = hn::LoadU(d, acc + j);
       VF out = hn::LoadU(d, o + j);
       for (int r = 0; r < R; ++r) {
-        const VF s = hn::MulAdd(vk[r], res, hn::Mul(hn::LoadU(d, row + r * ld + j), ve[r]));
-        out = hn::MulAdd(vq[r], s, out);
+        const VF s = hn::MulAdd(vk.get(r), res, hn::Mul(hn::LoadU(d, row + r * ld + j), ve.get(r)));
+        out = hn::MulAdd(vq.get(r), s, out);
         hn::StoreU(s, d, row + r * ld + j);
       }
       hn::StoreU(out, d, o + j);
@@ -301,25 +302,25 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
     prefetch_bytes(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
-    VF u[R], res[R], out[R];
-    for (int r = 0; r < R; ++r) u[r] = hn::Zero(d), out[r] = hn::Zero(d);
+    VectorArray<R> u, res, out;
+    for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), out.set(r, hn::Zero(d));
     for (int64_t i = 0; i < K; i += L) {
       const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r)
-        u[r] = hn::MulAdd(hn::Mul(load_state(src + (r0 + r) * K + i), ve), vk, u[r]);
+        u.set(r, hn::MulAdd(hn::Mul(load_state(src + (r0 + r) * K + i), ve), vk, u.get(r)));
     }
     for (int r = 0; r < R; ++r)
-      res[r] = hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u[r]))));
+      res.set(r, hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))))));
     for (int64_t i = 0; i < K; i += L) {
       const VF ve = hn::LoadU(d, e + i), vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * K + i;
-        const VF x = hn::MulAdd(res[r], vk, hn::Mul(load_state(src + at), ve));
-        out[r] = hn::MulAdd(x, vq, out[r]);
+        const VF x = hn::MulAdd(res.get(r), vk, hn::Mul(load_state(src + at), ve));
+        out.set(r, hn::MulAdd(x, vq, out.get(r)));
         store_state(x, dst + at);
       }
     }
-    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out[r]));
+    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
   }
   for (; r0 < V; ++r0) {
     const Src* row = src + r0 * K;

@@ -210,16 +210,16 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
   const DF d;
   const int64_t L = lanes();
   const int64_t W = NV * L;
-  VF acc[NV];
+  VectorArray<NV> acc;
   // Token 0: decay, then u = k^T S1.
-  for (int j = 0; j < NV; ++j) acc[j] = hn::Zero(d);
+  for (int j = 0; j < NV; ++j) acc.set(j, hn::Zero(d));
   for (int64_t r = 0; r < K; ++r) {
     float* row = Sb + r * W;
     const VF ve = hn::Set(d, e[r]);
     const VF vk = hn::Set(d, k[r]);
     for (int j = 0; j < NV; ++j) {
       const VF s = hn::Mul(hn::LoadU(d, row + j * L), ve);
-      acc[j] = hn::MulAdd(vk, s, acc[j]);
+      acc.set(j, hn::MulAdd(vk, s, acc.get(j)));
       hn::StoreU(s, d, row + j * L);
     }
   }
@@ -228,11 +228,11 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
     const float* kt = k + t * Kp;
     const float* qt = q + t * Kp;
     const VF vb = hn::Set(d, beta[t]);
-    VF res[NV], out[NV];
+    VectorArray<NV> res, out;
     for (int j = 0; j < NV; ++j) {
-      res[j] = hn::Mul(vb, hn::Sub(hn::LoadU(d, v + t * Vp + j * L), acc[j]));
-      out[j] = hn::Zero(d);
-      acc[j] = hn::Zero(d);
+      res.set(j, hn::Mul(vb, hn::Sub(hn::LoadU(d, v + t * Vp + j * L), acc.get(j))));
+      out.set(j, hn::Zero(d));
+      acc.set(j, hn::Zero(d));
     }
     if (t + 1 < n) {
       // Update with r_t and read out o_t, then decay for token t+1 and accumulate k_{t+1}^T S1.
@@ -245,10 +245,10 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
         const VF ve = hn::Set(d, en[r]);
         const VF vkn = hn::Set(d, kn[r]);
         for (int j = 0; j < NV; ++j) {
-          VF s = hn::MulAdd(vk, res[j], hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) out[j] = hn::MulAdd(vq, s, out[j]);
+          VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
+          if constexpr (kOutput) out.set(j, hn::MulAdd(vq, s, out.get(j)));
           s = hn::Mul(s, ve);
-          acc[j] = hn::MulAdd(vkn, s, acc[j]);
+          acc.set(j, hn::MulAdd(vkn, s, acc.get(j)));
           hn::StoreU(s, d, row + j * L);
         }
       }
@@ -258,15 +258,15 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
         const VF vk = hn::Set(d, kt[r]);
         const VF vq = hn::Set(d, qt[r]);
         for (int j = 0; j < NV; ++j) {
-          const VF s = hn::MulAdd(vk, res[j], hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) out[j] = hn::MulAdd(vq, s, out[j]);
+          const VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
+          if constexpr (kOutput) out.set(j, hn::MulAdd(vq, s, out.get(j)));
           hn::StoreU(s, d, row + j * L);
         }
       }
     }
     if constexpr (kOutput) {
       const VF vs = hn::Set(d, scale);
-      for (int j = 0; j < NV; ++j) hn::StoreU(hn::Mul(vs, out[j]), d, o + t * Vp + j * L);
+      for (int j = 0; j < NV; ++j) hn::StoreU(hn::Mul(vs, out.get(j)), d, o + t * Vp + j * L);
     }
   }
 }

@@ -47,20 +47,21 @@ HWY_INLINE void recompute_token(int64_t Kp, const float* HWY_RESTRICT prev, floa
                                 float* HWY_RESTRICT w_out) {
   const DF d;
   const int64_t L = lanes();
-  VF acc[JG];
-  for (int j = 0; j < JG; ++j) acc[j] = hn::Zero(d);
+  VectorArray<JG> acc;
+  for (int j = 0; j < JG; ++j) acc.set(j, hn::Zero(d));
   for (int64_t i = 0; i < Kp; i += L) {
     const VF ve = hn::LoadU(d, e + i);
     const VF vk = hn::LoadU(d, k + i);
     const float* pp = prev + i * JG;
-    for (int j = 0; j < JG; ++j) acc[j] = hn::MulAdd(vk, hn::Mul(hn::LoadU(d, pp + j * L), ve), acc[j]);
+    for (int j = 0; j < JG; ++j)
+      acc.set(j, hn::MulAdd(vk, hn::Mul(hn::LoadU(d, pp + j * L), ve), acc.get(j)));
   }
-  VF vr[JG];
+  VectorArray<JG> vr;
   for (int j = 0; j < JG; ++j) {
-    const float u = hn::GetLane(hn::SumOfLanes(d, acc[j]));
+    const float u = hn::GetLane(hn::SumOfLanes(d, acc.get(j)));
     const float wv = v[j] - u;
     const float rj = beta * wv;
-    vr[j] = hn::Set(d, rj);
+    vr.set(j, hn::Set(d, rj));
     r_out[j] = rj;
     w_out[j] = wv;
   }
@@ -71,7 +72,7 @@ HWY_INLINE void recompute_token(int64_t Kp, const float* HWY_RESTRICT prev, floa
     float* pc = cur + i * JG;
     for (int j = 0; j < JG; ++j) {
       const VF s1 = hn::Mul(hn::LoadU(d, pp + j * L), ve);
-      hn::StoreU(hn::MulAdd(vk, vr[j], s1), d, pc + j * L);
+      hn::StoreU(hn::MulAdd(vk, vr.get(j), s1), d, pc + j * L);
     }
   }
 }
@@ -89,8 +90,8 @@ HWY_INLINE void pass_a(int64_t Kp, const float* HWY_RESTRICT S2, float* HWY_REST
                        float* HWY_RESTRICT dk, float* HWY_RESTRICT dr) {
   const DF d;
   const int64_t L = lanes();
-  VF hacc[JG];
-  for (int j = 0; j < JG; ++j) hacc[j] = hn::Zero(d);
+  VectorArray<JG> hacc;
+  for (int j = 0; j < JG; ++j) hacc.set(j, hn::Zero(d));
   for (int64_t i = 0; i < Kp; i += L) {
     const VF vq = hn::LoadU(d, qs + i);
     const VF vk = hn::LoadU(d, k + i);
@@ -104,12 +105,12 @@ HWY_INLINE void pass_a(int64_t Kp, const float* HWY_RESTRICT S2, float* HWY_REST
       hn::StoreU(ds, d, pd + j * L);
       aq = hn::MulAdd(hn::LoadU(d, p2 + j * L), vdo, aq);
       ak = hn::MulAdd(ds, hn::Set(d, r[j]), ak);
-      hacc[j] = hn::MulAdd(ds, vk, hacc[j]);
+      hacc.set(j, hn::MulAdd(ds, vk, hacc.get(j)));
     }
     hn::StoreU(aq, d, dq + i);
     hn::StoreU(ak, d, dk + i);
   }
-  for (int j = 0; j < JG; ++j) dr[j] = hn::GetLane(hn::SumOfLanes(d, hacc[j]));
+  for (int j = 0; j < JG; ++j) dr[j] = hn::GetLane(hn::SumOfLanes(d, hacc.get(j)));
 }
 
 template <int JG>
@@ -148,8 +149,8 @@ HWY_INLINE void pass_ba(int64_t Kp, const float* HWY_RESTRICT S0, float* HWY_RES
                         float* HWY_RESTRICT dq_p, float* HWY_RESTRICT dk_p, float* HWY_RESTRICT dr_p) {
   const DF d;
   const int64_t L = lanes();
-  VF hacc[JG];
-  for (int j = 0; j < JG; ++j) hacc[j] = hn::Zero(d);
+  VectorArray<JG> hacc;
+  for (int j = 0; j < JG; ++j) hacc.set(j, hn::Zero(d));
   for (int64_t i = 0; i < Kp; i += L) {
     const VF ve = hn::LoadU(d, e + i);
     const VF vk = hn::LoadU(d, k + i);
@@ -172,14 +173,14 @@ HWY_INLINE void pass_ba(int64_t Kp, const float* HWY_RESTRICT S0, float* HWY_RES
       hn::StoreU(ds2, d, pd + j * L);
       aq = hn::MulAdd(s0, vdo, aq);
       akp = hn::MulAdd(ds2, hn::Set(d, r_p[j]), akp);
-      hacc[j] = hn::MulAdd(ds2, vkp, hacc[j]);
+      hacc.set(j, hn::MulAdd(ds2, vkp, hacc.get(j)));
     }
     hn::StoreU(ak0, d, dk0 + i);
     hn::StoreU(ag0, d, dg0 + i);
     hn::StoreU(aq, d, dq_p + i);
     hn::StoreU(akp, d, dk_p + i);
   }
-  for (int j = 0; j < JG; ++j) dr_p[j] = hn::GetLane(hn::SumOfLanes(d, hacc[j]));
+  for (int j = 0; j < JG; ++j) dr_p[j] = hn::GetLane(hn::SumOfLanes(d, hacc.get(j)));
 }
 
 // Per-thread memory of the backward over one (sequence, q/k head).
@@ -312,7 +313,7 @@ double gate_backward_row(GateMode mode, float a, float lb, const float* bias, co
 // elements (fused gates). bias may be null.
 void gate_rows_double(GateMode mode, double a, float lb, const float* bias, const float* raw, float* g,
                       float* e, int64_t K) {
-  const hn::ScalableTag<double> dd;
+  const DD dd;
   const hn::Rebind<float, decltype(dd)> dh;
   using VD = hn::Vec<decltype(dd)>;
   const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));

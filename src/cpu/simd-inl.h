@@ -32,8 +32,38 @@ HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using DF = hn::ScalableTag<float>;
+// Vectors of at most kPad floats: tile rows are padded to kPad, so every vector length a target can
+// have (a power of two on every Highway target, SVE's included) divides the padded row. On x86 the cap
+// changes nothing (AVX-512 holds 16 floats); on SVE machines wider than 512 bits it keeps rows whole.
+using DF = hn::CappedTag<float, kPad>;
 using VF = hn::Vec<DF>;
+// Doubles for the float64 accumulations, as many lanes as DF at most (they rebind to floats).
+using DD = hn::CappedTag<double, kPad / 2>;
+
+// N vectors indexed by (unrolled) loop counters: register tiles and blocks of accumulators.
+// On targets with sized vectors this is an array of vectors, which the optimiser keeps in registers.
+// SVE vectors are sizeless and can form neither arrays nor struct members, so there the lanes live in an
+// aligned stack buffer that each access loads or stores: correct at any vector length, and left to the
+// compiler to keep in registers.
+template <int N>
+class VectorArray {
+ public:
+  // Declared, not implicit: GCC compiles an implicit constructor without the target's attributes.
+  HWY_INLINE VectorArray() {}
+#if HWY_HAVE_SCALABLE
+  HWY_INLINE VF get(int i) const { return hn::Load(DF(), lanes_ + i * hn::Lanes(DF())); }
+  HWY_INLINE void set(int i, VF v) { hn::Store(v, DF(), lanes_ + i * hn::Lanes(DF())); }
+
+ private:
+  HWY_ALIGN float lanes_[N * hn::MaxLanes(DF())];
+#else
+  HWY_INLINE VF get(int i) const { return v_[i]; }
+  HWY_INLINE void set(int i, VF v) { v_[i] = v; }
+
+ private:
+  VF v_[N];
+#endif
+};
 
 // ---- matrix products over tiles ------------------------------------------------------------------
 
@@ -50,25 +80,25 @@ HWY_INLINE void gemm_tile(int64_t inner, const float* HWY_RESTRICT A, int64_t a_
                           Accumulate mode) {
   const DF d;
   const size_t L = hn::Lanes(d);
-  VF acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = hn::Zero(d);
+  VectorArray<MR * NV> acc;  // acc(m, v) at m * NV + v
+  for (int i = 0; i < MR * NV; ++i) acc.set(i, hn::Zero(d));
   for (int64_t p = 0; p < inner; ++p) {
     const float* brow = B + p * ldb;
-    VF b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = hn::LoadU(d, brow + v * L);
+    VectorArray<NV> b;
+    for (int v = 0; v < NV; ++v) b.set(v, hn::LoadU(d, brow + v * L));
     for (int m = 0; m < MR; ++m) {
       const VF a = hn::Set(d, A[m * a_rs + p * a_cs]);
-      for (int v = 0; v < NV; ++v) acc[m][v] = hn::MulAdd(a, b[v], acc[m][v]);
+      for (int v = 0; v < NV; ++v) acc.set(m * NV + v, hn::MulAdd(a, b.get(v), acc.get(m * NV + v)));
     }
   }
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < NV; ++v) {
       float* c = C + m * ldc + v * L;
+      const VF sum = acc.get(m * NV + v);
       switch (mode) {
-        case Accumulate::overwrite: hn::StoreU(acc[m][v], d, c); break;
-        case Accumulate::add: hn::StoreU(hn::Add(hn::LoadU(d, c), acc[m][v]), d, c); break;
-        case Accumulate::subtract: hn::StoreU(hn::Sub(hn::LoadU(d, c), acc[m][v]), d, c); break;
+        case Accumulate::overwrite: hn::StoreU(sum, d, c); break;
+        case Accumulate::add: hn::StoreU(hn::Add(hn::LoadU(d, c), sum), d, c); break;
+        case Accumulate::subtract: hn::StoreU(hn::Sub(hn::LoadU(d, c), sum), d, c); break;
       }
     }
   }
@@ -226,14 +256,14 @@ inline void subtract_combination(float* HWY_RESTRICT x, const float* rows, int64
   constexpr int kBlock = 8;
   int64_t c = 0;
   for (; c + kBlock * L <= n; c += kBlock * L) {
-    VF acc[kBlock];
-    for (int v = 0; v < kBlock; ++v) acc[v] = hn::LoadU(d, x + c + v * L);
+    VectorArray<kBlock> acc;
+    for (int v = 0; v < kBlock; ++v) acc.set(v, hn::LoadU(d, x + c + v * L));
     for (int64_t j = j0; j < j1; ++j) {
       const VF cj = hn::Set(d, coef[j * coef_stride]);
       const float* row = rows + j * ld + c;
-      for (int v = 0; v < kBlock; ++v) acc[v] = hn::NegMulAdd(cj, hn::LoadU(d, row + v * L), acc[v]);
+      for (int v = 0; v < kBlock; ++v) acc.set(v, hn::NegMulAdd(cj, hn::LoadU(d, row + v * L), acc.get(v)));
     }
-    for (int v = 0; v < kBlock; ++v) hn::StoreU(acc[v], d, x + c + v * L);
+    for (int v = 0; v < kBlock; ++v) hn::StoreU(acc.get(v), d, x + c + v * L);
   }
   for (; c < n; c += L) {
     VF acc = hn::LoadU(d, x + c);
