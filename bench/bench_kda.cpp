@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "cli_args.hpp"
-#include "demo_inputs.hpp"
+#include "harness.hpp"
 #include "kda/kda.hpp"
 #include "speed.hpp"
 
@@ -54,7 +54,11 @@ constexpr double kChunkOverRecurrentTarget = 2.0;   // chunked tokens/s >= 2x re
 constexpr double kBackwardOverForwardTarget = 2.5;  // backward time <= 2.5x forward time
 
 struct Options {
-  kda_demo::Shape shape{1, 8192, 32, 32, 128, 128};
+  kda::harness::Case shape = [] {
+    kda::harness::Case c;
+    c.B = 1, c.T = 8192, c.H = c.HV = 32, c.K = c.V = 128;
+    return c;
+  }();
   std::vector<int> threads{1, 2};
   int reps = 3;
   int sgemm_n = 2048;
@@ -147,7 +151,7 @@ std::optional<double> sgemm_gflops(int n, int threads, int reps) {
   openblas_set_num_threads(threads);
   const size_t count = static_cast<size_t>(n) * n;
   std::vector<float> a(count), b(count), c(count);
-  kda_demo::Rng rng(42);
+  kda::harness::Rng rng(42);
   for (size_t i = 0; i < count; ++i) {
     a[i] = static_cast<float>(rng.uniform() - 0.5);
     b[i] = static_cast<float>(rng.uniform() - 0.5);
@@ -184,7 +188,7 @@ std::string short_reason(const std::string& what) {
 }
 
 int run(const Options& o, const std::string& coretype_note) {
-  const kda_demo::Shape& s = o.shape;
+  const kda::harness::Case& s = o.shape;
 
   std::printf("kda_bench: KDA speed next to this machine's sgemm rate\n");
   std::printf("CPU: %s, %u hardware threads; kda kernels dispatch to %s\n", cpu_model().c_str(),
@@ -195,8 +199,8 @@ int run(const Options& o, const std::string& coretype_note) {
 #else
   std::printf("OpenBLAS: not available at build time (%s); sgemm columns read n/a\n", coretype_note.c_str());
 #endif
-  std::printf("shape: %s fp32, log-decay gate (mild); median of %d runs after a warm-up\n",
-              kda_demo::describe(s).c_str(), o.reps);
+  std::printf("shape: %s fp32, log-decay gate (mild); median of %d runs after a warm-up\n", s.shape().c_str(),
+              o.reps);
   const double chunk_fph = kda_demo::chunk_flops_per_token_head(s.K, s.V);
   const double rec_fph = kda_demo::recurrent_flops_per_token_head(s.K, s.V);
   std::printf("nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k\n", chunk_fph / 1e3,
@@ -217,7 +221,12 @@ int run(const Options& o, const std::string& coretype_note) {
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
 
   std::fprintf(stderr, "generating inputs...\n");
-  const kda_demo::Case c = kda_demo::make_case(s, kda_demo::Regime::mild, kda::DType::f32, 1, o.backward);
+  kda::harness::Case c = s;  // mild log-decay gates, fp32, a random initial state
+  c.initial_state = true;
+  kda::harness::Data d;
+  kda::harness::make_data(c, d);
+  kda::harness::Cotangents ct;
+  if (o.backward) kda::harness::make_cotangents(d, /*with_final_state=*/true, 2, ct);
   const double tokens = static_cast<double>(s.B * s.T);
   const double heads = static_cast<double>(s.HV);
 
@@ -228,7 +237,7 @@ int run(const Options& o, const std::string& coretype_note) {
     const bool share_applies = t == kShareTargetThreads;
     row(t, "sgemm " + std::to_string(o.sgemm_n) + "^3", "", gemm ? fmt("%.1f", *gemm) : "n/a",
         gemm ? "100%" : "", "");
-    const kda_demo::SpeedResult r = kda_demo::measure_speed(c, t, o.reps, o.backward);
+    const kda_demo::SpeedResult r = kda_demo::measure_speed(d, o.backward ? &ct : nullptr, t, o.reps);
 
     auto path_row = [&](const char* name, std::optional<double> sec, const std::string& error, double fph,
                         double target_share) {

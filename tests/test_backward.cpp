@@ -5,9 +5,10 @@
 // final-state gradient. The chunked backward runs twice per case, once recomputing the states
 // entering every chunk and once given them (chunk_forward's chunk_states); both must give the same
 // bits. Plus one long sequence and determinism over thread counts.
-// Tolerances (relative RMS against the oracle, per gradient): fp32 1e-5; bf16 4e-3 for dq, dk, dv and
-// d_initial_state, 1e-2 for dg, dbeta, dA_log and ddt_bias (a gradient returned in bf16 is measured
-// after its rounding; the fp32 ones of a case with bf16 inputs get the bf16 tolerance).
+// Tolerances (relative RMS against the oracle, per gradient; harness/tolerances.hpp): fp32 1e-5; bf16
+// 4e-3 for dq, dk, dv, 1e-2 for dg and dbeta (a gradient returned in bf16 is measured
+// after its rounding; d_initial_state, dA_log and ddt_bias, stored in fp32, get the fp32 tolerance
+// in every case, bf16 inputs included: the oracle runs on the same rounded inputs).
 // Set KDA_TEST_VERBOSE=1 to print every case's errors and, at the end, the worst error per gradient.
 #include <gtest/gtest.h>
 
@@ -20,7 +21,6 @@
 #include <string>
 #include <tuple>
 
-#include "core/preprocess.hpp"
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -31,21 +31,7 @@ bool verbose() {
   return v;
 }
 
-// ---- gradients and their tolerances ------------------------------------------------------------
-
-enum Grad { kDq, kDk, kDv, kDg, kDbeta, kDh0, kDALog, kDdtBias, kNumGrads };
-constexpr const char* kGradNames[kNumGrads] = {"dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"};
-
-double backward_tolerance(Grad g, bool bf16) {
-  if (!bf16) return 1e-5;
-  switch (g) {
-    case kDq:
-    case kDk:
-    case kDv:
-    case kDh0: return 4e-3;
-    default: return 1e-2;
-  }
-}
+// ---- the worst errors (gradients, measures and tolerances: harness/harness.hpp) ------------------
 
 // Worst error seen per (kernel variant, precision class, gradient), printed at the end when verbose.
 struct Worst {
@@ -65,7 +51,7 @@ class WorstErrorReport : public ::testing::Environment {
     for (const auto& [key, w] : worst_table())
       std::printf("  %-13s %-4s %-8s %.3e (tol %.0e)  %s\n", std::get<0>(key).c_str(),
                   std::get<1>(key) ? "bf16" : "f32", kGradNames[std::get<2>(key)], w.err,
-                  backward_tolerance(static_cast<Grad>(std::get<2>(key)), std::get<1>(key)), w.where.c_str());
+                  gradient_tolerance(static_cast<Grad>(std::get<2>(key)), std::get<1>(key)), w.where.c_str());
   }
 };
 ::testing::Environment* const kWorstErrorReport = ::testing::AddGlobalTestEnvironment(new WorstErrorReport);
@@ -80,106 +66,22 @@ struct BwdCase {
 // gtest prints a BwdCase parameter by its name.
 void PrintTo(const BwdCase& bc, std::ostream* os) { *os << bc.name(); }
 
-// The oracle's gradient as an fp32 value can hold it: a value below fp32's range becomes 0 (or
-// subnormal) rather than a target no fp32 kernel can reach. Example: with a spike on the only token,
-// d_initial_state = e^g dS with g <= -200 is ~1e-140 in float64 and exactly 0 in fp32, a relative
-// error of 1 against the raw oracle. Elsewhere this moves the reference by at most 2^-24 relative.
-std::vector<double> fp32_reference(const std::vector<double>& x) {
-  std::vector<double> r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = static_cast<float>(x[i]);
-  return r;
-}
-
-// dA_log and ddt_bias are sums over every token (and key channel) of per-element terms; a sum's
-// rounding error is proportional to the sum of its terms' magnitudes, not to the sum itself, which
-// can cancel (by 150x in one grid case). Their error is therefore measured against the RMS of
-// sum |term| per output element, from the oracle's per-element raw-gate gradient dg:
-//   ddt_bias[hv, d]: terms dg;   dA_log[hv]: terms dg * (d log-decay / dA_log) / (d log-decay / dx),
-// i.e. dg * softplus(z) / sigmoid(z) for the softplus gate and dg * z for the lower-bound gate, z = x + bias.
-struct ReductionScales {
-  double dA_log = 0, ddt_bias = 0;
-};
-ReductionScales reduction_scales(const Data& d, const reference::Gradients& ref) {
-  const Case& c = d.c;
-  std::vector<double> sum_a(static_cast<size_t>(c.HV), 0.0), sum_b(static_cast<size_t>(c.HV * c.K), 0.0);
-  const std::vector<double> x = d.g.packed();  // [B, T, HV, K]
-  for (size_t i = 0; i < x.size(); ++i) {
-    const int64_t kk = static_cast<int64_t>(i) % c.K;
-    const int64_t hv = static_cast<int64_t>(i) / c.K % c.HV;
-    const double z = x[i] + (d.dt_bias.empty() ? 0.0 : d.dt_bias[hv * c.K + kk]);
-    double ratio = z;  // lower-bound gate
-    if (c.gate == GateMode::softplus) {
-      const double sg = sigmoid(z);
-      ratio = sg > 0 ? core::softplus(z) / sg : 1.0;  // -> 1 as z -> -inf
-    }
-    sum_a[hv] += std::abs(ref.dg[i] * ratio);
-    sum_b[hv * c.K + kk] += std::abs(ref.dg[i]);
-  }
-  const auto rms = [](const std::vector<double>& v) {
-    double s = 0;
-    for (double e : v) s += e * e;
-    return std::sqrt(s / std::max<size_t>(1, v.size()));
-  };
-  return {rms(sum_a), rms(sum_b)};
-}
-
-// RMS(got - ref) / scale.
-double rms_error_against(const std::vector<double>& ref, const std::vector<double>& got, double scale) {
-  double s = 0;
-  for (size_t i = 0; i < ref.size(); ++i) s += (got[i] - ref[i]) * (got[i] - ref[i]);
-  const double rms = std::sqrt(s / std::max<size_t>(1, ref.size()));
-  return scale > 0 ? rms / scale : rms;
-}
-
-bool any_bf16(const Data& d) {
-  return d.c.dtype == DType::bf16 || d.c.gate_dtype.value_or(d.c.dtype) == DType::bf16;
-}
-
 // Checks every gradient of one kernel run against the oracle: finite, within tolerance, nothing
 // written outside the rows of a strided output.
 void check_gradients(const char* label, const BwdCase& bc, const Data& d, const BackwardRun& run,
                      const reference::Gradients& ref) {
   SCOPED_TRACE(label);
-  const BackwardOut& o = run.out;
-  const bool fused = d.c.gate != GateMode::log_decay;
-  const bool bf16_case = any_bf16(d);
   EXPECT_TRUE(run.padding_ok) << "the kernel wrote outside the rows of a strided gradient";
-
-  struct Item {
-    Grad g;
-    const std::vector<double>* ref;
-    std::vector<double> got;
-    bool finite, bf16;
-  };
-  const auto tensor = [&](Grad g, const std::vector<double>& r, const Tensor& t) {
-    return Item{g, &r, t.packed(), t.all_finite(), t.dtype() == DType::bf16};
-  };
-  const auto buffer = [&](Grad g, const std::vector<double>& r, const std::vector<float>& x) {
-    return Item{g, &r, widen(x), all_finite(x), bf16_case};
-  };
-  std::vector<Item> items = {
-      tensor(kDq, ref.dq, o.dq),          tensor(kDk, ref.dk, o.dk),
-      tensor(kDv, ref.dv, o.dv),          tensor(kDg, ref.dg, o.dg),
-      tensor(kDbeta, ref.dbeta, o.dbeta), buffer(kDh0, ref.d_initial_state, o.d_initial_state)};
-  if (fused) {
-    items.push_back(buffer(kDALog, ref.dA_log, o.dA_log));
-    items.push_back(buffer(kDdtBias, ref.ddt_bias, o.ddt_bias));
-  }
-
   std::array<double, kNumGrads> err{};
   err.fill(-1.0);
-  const ReductionScales scales = fused ? reduction_scales(d, ref) : ReductionScales{};
-  for (const Item& it : items) {
+  for (const GradientError& it : gradient_errors(d, ref, run.out)) {
     const char* name = kGradNames[it.g];
     EXPECT_TRUE(it.finite) << name << ": non-finite (or unwritten) element";
-    const double e = it.g == kDALog     ? rms_error_against(*it.ref, it.got, scales.dA_log)
-                     : it.g == kDdtBias ? rms_error_against(*it.ref, it.got, scales.ddt_bias)
-                                        : rel_rms(fp32_reference(*it.ref), it.got);
-    const double tol = backward_tolerance(it.g, it.bf16);
-    EXPECT_LE(e, tol) << name << (it.bf16 ? " (bf16 class)" : " (f32 class)");
-    err[it.g] = e;
-    Worst& w = worst_table()[{label, it.bf16, it.g}];
-    if (!(e <= w.err)) w = Worst{e, bc.name()};  // NaN-safe: an infinite error is always recorded
+    EXPECT_LE(it.error, it.tolerance()) << name << (it.stored_bf16 ? " (bf16 class)" : " (f32 class)");
+    err[it.g] = it.error;
+    Worst& w = worst_table()[{label, it.stored_bf16, it.g}];
+    if (!(it.error <= w.err))
+      w = Worst{it.error, bc.name()};  // NaN-safe: an infinite error is always recorded
   }
   if (verbose()) {
     std::printf("  %-13s %s\n   ", label, bc.name().c_str());
@@ -251,7 +153,8 @@ std::vector<BwdCase> grid_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, BackwardParity, ::testing::ValuesIn(grid_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Grid, BackwardParity, ::testing::ValuesIn(sized_for_this_run(grid_cases())),
+                         case_name);
 
 // Every fused option in every combination: softplus and lower-bound gates with and without dt_bias,
 // beta as given / sigmoid / 2*sigmoid, with and without the q/k L2 norm. Small shapes, varied regimes.
@@ -290,7 +193,8 @@ std::vector<BwdCase> fused_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fused, BackwardParity, ::testing::ValuesIn(fused_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Fused, BackwardParity, ::testing::ValuesIn(sized_for_this_run(fused_cases())),
+                         case_name);
 
 // Both state layouts, with and without an initial state and a final-state gradient, in both dtypes.
 std::vector<BwdCase> state_cases() {
@@ -320,7 +224,8 @@ std::vector<BwdCase> state_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(States, BackwardParity, ::testing::ValuesIn(state_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(States, BackwardParity, ::testing::ValuesIn(sized_for_this_run(state_cases())),
+                         case_name);
 
 // The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
 std::vector<BwdCase> lower_bound_cases() {
@@ -351,7 +256,8 @@ std::vector<BwdCase> lower_bound_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(LowerBoundGate, BackwardParity, ::testing::ValuesIn(lower_bound_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(LowerBoundGate, BackwardParity,
+                         ::testing::ValuesIn(sized_for_this_run(lower_bound_cases())), case_name);
 
 // Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64.
 std::vector<BwdCase> varlen_cases() {
@@ -443,7 +349,8 @@ std::vector<BwdCase> varlen_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Varlen, BackwardParity, ::testing::ValuesIn(varlen_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Varlen, BackwardParity, ::testing::ValuesIn(sized_for_this_run(varlen_cases())),
+                         case_name);
 
 // Non-contiguous (permuted, padded) inputs and gradient outputs, mixed dtypes, every fused option at
 // once, no tokens at all.
@@ -541,7 +448,8 @@ std::vector<BwdCase> layout_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, BackwardParity, ::testing::ValuesIn(layout_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Layouts, BackwardParity, ::testing::ValuesIn(sized_for_this_run(layout_cases())),
+                         case_name);
 
 // Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
 std::vector<BwdCase> head_dim_cases() {
@@ -568,7 +476,8 @@ std::vector<BwdCase> head_dim_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity, ::testing::ValuesIn(head_dim_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity, ::testing::ValuesIn(sized_for_this_run(head_dim_cases())),
+                         case_name);
 
 // ---- long sequence, determinism -----------------------------------------------------------------
 

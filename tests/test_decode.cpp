@@ -210,7 +210,7 @@ TEST_P(Decode, MatchesOracleAndTouchesOnlyItsSlots) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, Decode, ::testing::ValuesIn(decode_cases()),
+INSTANTIATE_TEST_SUITE_P(Grid, Decode, ::testing::ValuesIn(sized_for_this_run(decode_cases())),
                          [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name(); });
 
 // A common setup for the tests below: 4 requests of 2 tokens, K = V = 16, HV = 2, an fp32 pool of 10

@@ -24,7 +24,9 @@ void check_parity(Kernel kernel, const Data& d, const reference::ForwardResult& 
   SCOPED_TRACE(kernel_name(kernel));
   const ForwardRun run = run_forward(kernel, d);
   const ForwardOut& out = run.out;
-  const double tol = forward_tolerance(d.c.dtype);
+  // o is stored in the inputs' dtype; the states are fp32 whatever the inputs, and the oracle saw the
+  // same rounded inputs, so they meet the fp32 tolerance in bf16 cases too.
+  const double tol = forward_tolerance(d.c.dtype), tol_states = forward_tolerance(DType::f32);
   EXPECT_TRUE(run.padding_ok) << "the kernel wrote outside the rows of a strided o";
   EXPECT_TRUE(out.o.all_finite()) << "non-finite (or unwritten) o";
   EXPECT_TRUE(all_finite(out.final_state)) << "non-finite (or unwritten) final state";
@@ -33,8 +35,8 @@ void check_parity(Kernel kernel, const Data& d, const reference::ForwardResult& 
   const double e_s = rel_rms(ref.final_state, out.final_state);
   const double e_c = rel_rms(ref.chunk_states, out.chunk_states);
   EXPECT_LE(e_o, tol) << "o";
-  EXPECT_LE(e_s, tol) << "final state";
-  EXPECT_LE(e_c, tol) << "chunk states";
+  EXPECT_LE(e_s, tol_states) << "final state";
+  EXPECT_LE(e_c, tol_states) << "chunk states";
   if (verbose())
     std::printf("  %-9s %-90s o %.2e  state %.2e  chunks %.2e\n", kernel_name(kernel), d.c.name().c_str(),
                 e_o, e_s, e_c);
@@ -56,8 +58,8 @@ TEST_P(ForwardParity, BothKernels) { check_both_kernels(GetParam()); }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name(); }
 
-INSTANTIATE_TEST_SUITE_P(Grid, ForwardParity, ::testing::ValuesIn(parity_grid(0x5eed0000u, false)),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Grid, ForwardParity,
+                         ::testing::ValuesIn(sized_for_this_run(parity_grid(0x5eed0000u, false))), case_name);
 
 // The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
 std::vector<Case> lower_bound_cases() {
@@ -86,7 +88,8 @@ std::vector<Case> lower_bound_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(LowerBoundGate, ForwardParity, ::testing::ValuesIn(lower_bound_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(LowerBoundGate, ForwardParity,
+                         ::testing::ValuesIn(sized_for_this_run(lower_bound_cases())), case_name);
 
 // Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64.
 std::vector<Case> varlen_cases() {
@@ -156,7 +159,8 @@ std::vector<Case> varlen_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Varlen, ForwardParity, ::testing::ValuesIn(varlen_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Varlen, ForwardParity, ::testing::ValuesIn(sized_for_this_run(varlen_cases())),
+                         case_name);
 
 // Non-contiguous (permuted, padded) inputs and outputs, mixed dtypes, every fused option at once,
 // empty sequences.
@@ -245,7 +249,8 @@ std::vector<Case> layout_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, ForwardParity, ::testing::ValuesIn(layout_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Layouts, ForwardParity, ::testing::ValuesIn(sized_for_this_run(layout_cases())),
+                         case_name);
 
 // Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
 std::vector<Case> head_dim_cases() {
@@ -269,7 +274,8 @@ std::vector<Case> head_dim_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(HeadDims, ForwardParity, ::testing::ValuesIn(head_dim_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(HeadDims, ForwardParity, ::testing::ValuesIn(sized_for_this_run(head_dim_cases())),
+                         case_name);
 
 // One long sequence: error must not grow along it.
 TEST(ForwardLong, T4096OneHead) {

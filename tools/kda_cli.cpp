@@ -22,17 +22,18 @@
 #include <vector>
 
 #include "cli_args.hpp"
-#include "demo_inputs.hpp"
+#include "harness.hpp"
 #include "kda/kda.hpp"
 #include "kda/reference.hpp"
 #include "speed.hpp"
+#include "tolerances.hpp"
 
 namespace {
 
+namespace hs = kda::harness;
+using hs::Case;
+using hs::Regime;
 using kda::DType;
-using kda_demo::Case;
-using kda_demo::Regime;
-using kda_demo::Shape;
 
 constexpr const char* kUsage = R"(usage: kda [check|bench|decode|targets] [options]
 
@@ -207,20 +208,24 @@ std::string short_reason(const std::string& what) {
 
 // ---- check ----------------------------------------------------------------------------------------
 
-// Tolerances on the relative RMS error. A tensor stored in fp32 (f32 activations, every state,
-// dA_log, ddt_bias) carries only fp32 rounding: about 3e-7 is typical at T=300. A tensor stored in
-// bf16 is rounded once to 8 significant bits, which alone gives up to 2^-8 = 3.9e-3 (about 1.7e-3
-// typical).
-constexpr double kTolF32Forward = 2e-6, kTolF32Backward = 1e-5, kTolBf16 = 4e-3;
-
+// Tolerances on the relative RMS error: the test suite's (harness/tolerances.hpp), by the dtype a
+// tensor is stored in. A tensor stored in fp32 (f32 activations, every state, dA_log, ddt_bias)
+// carries only fp32 rounding: about 3e-7 is typical at T=300. A tensor stored in bf16 is rounded once
+// to 8 significant bits, which alone gives about 2^-9 RMS (1.7e-3 typical).
 // One compared tensor: its error (nullopt: not produced by this call) and its tolerance.
 struct Measure {
   std::optional<double> error;
   double tol = 0.0;
 };
 
-Measure measure(std::optional<double> error, bool stored_bf16, bool backward) {
-  return {error, stored_bf16 ? kTolBf16 : (backward ? kTolF32Backward : kTolF32Forward)};
+// An error of hs::ForwardErrors, absent (-1) as nullopt.
+std::optional<double> present(double error) {
+  return error >= 0 ? std::optional<double>(error) : std::nullopt;
+}
+
+Measure measure(std::optional<double> error, bool stored_bf16, bool backward, bool gate_gradient = false) {
+  return {error, backward ? kda::harness::backward_tolerance(stored_bf16, gate_gradient)
+                          : kda::harness::forward_tolerance(stored_bf16)};
 }
 
 struct Counts {
@@ -236,7 +241,7 @@ void print_row(const char* path, const Case& c, DType dtype, const std::vector<M
     if (m.error && !(*m.error <= m.tol)) ok = false;  // NaN fails too
     if (m.error) tol_lo = std::min(tol_lo, m.tol), tol_hi = std::max(tol_hi, m.tol);
   }
-  std::printf("%-20s %-11s %-5s", path, kda_demo::regime_name(c.regime), kda_demo::dtype_name(dtype));
+  std::printf("%-20s %-11s %-5s", path, hs::regime_name(c.regime), dtype == DType::bf16 ? "bf16" : "f32");
   for (const Measure& m : measures) std::printf(" %9s", fmt_err(m.error).c_str());
   char tol[40];
   if (tol_lo == tol_hi)
@@ -249,8 +254,8 @@ void print_row(const char* path, const Case& c, DType dtype, const std::vector<M
 
 void print_unavailable(const char* path, const Case& c, DType dtype, const std::string& why, bool is_failure,
                        Counts& counts) {
-  std::printf("%-20s %-11s %-5s %s: %s\n", path, kda_demo::regime_name(c.regime), kda_demo::dtype_name(dtype),
-              is_failure ? "FAIL" : "n/a", short_reason(why).c_str());
+  std::printf("%-20s %-11s %-5s %s: %s\n", path, hs::regime_name(c.regime),
+              dtype == DType::bf16 ? "bf16" : "f32", is_failure ? "FAIL" : "n/a", short_reason(why).c_str());
   ++(is_failure ? counts.fail : counts.unavailable);
 }
 
@@ -265,12 +270,15 @@ using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, con
 void print_targets() {
   std::string available;
   for (const std::string& t : kda::simd_targets()) available += (available.empty() ? "" : ", ") + t;
-  std::printf("SIMD target: %s (this build and CPU offer %s; KDA_CPU_TARGET picks one)\n", kda::simd_target(),
-              available.c_str());
+  std::string width = std::to_string(kda::simd_vector_bits()) + "-bit vectors";
+  if (kda::simd_hardware_vector_bits() != kda::simd_vector_bits())
+    width += " of the CPU's " + std::to_string(kda::simd_hardware_vector_bits());
+  std::printf("SIMD target: %s, %s (this build and CPU offer %s; KDA_CPU_TARGET picks one)\n",
+              kda::simd_target(), width.c_str(), available.c_str());
 }
 
 int run_check(const Options& o) {
-  Shape s;
+  Case s;
   s.B = 1;
   s.T = o.T.value_or(300);
   s.H = s.HV = o.H.value_or(2);
@@ -280,102 +288,102 @@ int run_check(const Options& o) {
   const auto t_start = std::chrono::steady_clock::now();
 
   std::printf("kda check: every path against the float64 oracle (relative RMS error over each tensor)\n");
-  std::printf("inputs: %s, random initial state, seed %llu", kda_demo::describe(s).c_str(),
+  std::printf("inputs: %s, random initial state, seed %llu", s.shape().c_str(),
               static_cast<unsigned long long>(o.seed));
   if (s.H < 32) std::printf(" (Kimi Linear has H=32: fewer heads here because the float64 oracle is slow)");
   std::printf(
-      "\ntolerance: tensors stored in fp32 (f32 activations, states, dA_log, ddt_bias) %.0e forward, %.0e "
-      "backward;\n           tensors stored in bf16 %.0e (one rounding to bf16 alone can reach 3.9e-3)\n",
-      kTolF32Forward, kTolF32Backward, kTolBf16);
+      "\ntolerance (the tests'): tensors stored in fp32 (f32 activations, states, dA_log, ddt_bias) %.0e "
+      "forward, %.0e backward;\n           stored in bf16: o %.0e, dq / dk / dv %.0e, dg / dbeta %.0e (one "
+      "rounding to bf16 alone gives ~2e-3)\n",
+      kda::harness::kForwardF32, kda::harness::kBackwardF32, kda::harness::kForwardBf16,
+      kda::harness::kBackwardBf16, kda::harness::kBackwardBf16Gate);
   std::printf(
-      "regimes: mild/strong/zero decay, spike-1000 (one token decays by e^-1000), unbounded "
-      "(fused softplus gate, exp(A_log) 8..32, sigmoid beta, in-kernel L2 norm)\n");
+      "regimes (the tests'): mild / strong decay (log decay logsigmoid(N(0,1)), 5x that), zero, spike (mild, "
+      "and\n"
+      "         -1000 on a few single tokens), unbounded (Kimi-Linear-48B: fused softplus gate with A_log in "
+      "3..5,\n"
+      "         raw gate 6 N(0,1), sigmoid beta, in-kernel L2 norm)\n");
   print_targets();
   std::printf("\n");
 
   Counts counts;
   const DType dtypes[] = {DType::f32, DType::bf16};
 
-  // Oracle results are computed once per (regime, dtype) and shared by both paths.
+  // One case per (regime, dtype), its oracle results computed once and shared by both paths. The
+  // regimes are the test suite's (harness/harness.cpp); `unbounded` runs Kimi-Linear-48B's options.
   struct Ref {
-    Case c;
-    kda::reference::Inputs in;
+    hs::Data d;
+    hs::Cotangents ct;
     kda::reference::ForwardResult fwd;
     std::optional<kda::reference::Gradients> grads;
     std::string grads_error;
   };
-  std::vector<Ref> refs;
-  for (Regime regime : kda_demo::kAllRegimes)
+  std::vector<std::unique_ptr<Ref>> refs;
+  for (Regime regime : {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded})
     for (DType dtype : dtypes) {
-      Ref r{kda_demo::make_case(s, regime, dtype, o.seed, true), {}, {}, {}, {}};
-      r.in = kda::reference::widen(r.c.problem, r.c.inputs());
-      r.fwd = kda::reference::forward(r.c.problem, r.in);
+      Case c = s;
+      c.regime = regime;
+      c.dtype = dtype;
+      c.initial_state = true;
+      c.seed = o.seed;
+      if (regime == Regime::unbounded) {
+        c.gate = kda::GateMode::softplus;
+        c.beta = kda::BetaMode::sigmoid;
+        c.qk_l2norm = true;
+      }
+      auto r = std::make_unique<Ref>();
+      hs::make_data(c, r->d);
+      hs::make_cotangents(r->d, /*with_final_state=*/true, o.seed + 1, r->ct);
+      r->fwd = hs::oracle_forward(r->d);
       refs.push_back(std::move(r));
     }
 
-  std::printf("%-20s %-11s %-5s %9s %9s %13s  %s\n", "forward path", "regime", "dtype", "o", "state", "tol",
-              "result");
-  // chunk_forward with forward_kernel = chunked: the chunked kernel itself (its automatic choice is the
-  // recurrent kernel, checked on the next rows).
-  kda::RunOptions chunked_opt = opt;
-  chunked_opt.forward_kernel = kda::ForwardKernel::chunked;
-  const std::pair<const char*, ForwardFn> forward_paths[] = {{"chunked kernel", &kda::chunk_forward},
-                                                             {"recurrent_forward", &kda::recurrent_forward}};
-  for (const auto& [name, fn] : forward_paths)
-    for (const Ref& r : refs) {
-      const DType dtype = r.c.v.dtype();
+  std::printf("%-20s %-11s %-5s %9s %9s %9s %13s  %s\n", "forward path", "regime", "dtype", "o", "state",
+              "chunks", "tol", "result");
+  // The chunked kernel itself (chunk_forward's automatic choice is the recurrent kernel, whose rows follow).
+  for (hs::Kernel kernel : hs::kKernels)
+    for (const auto& r : refs) {
+      const char* name = kernel == hs::Kernel::chunk ? "chunked kernel" : "recurrent_forward";
+      const Case& c = r->d.c;
       try {
-        kda_demo::ForwardBuffers fb(r.c, false);
-        fn(r.c.problem, r.c.inputs(), fb.outputs(r.c.problem), fn == &kda::chunk_forward ? chunked_opt : opt);
-        const bool bf16 = dtype == DType::bf16;
-        print_row(name, r.c, dtype,
-                  {measure(kda_demo::rel_rms(fb.o, r.fwd.o), bf16, false),
-                   measure(kda_demo::rel_rms(fb.final_state, r.fwd.final_state), false, false)},
+        const hs::ForwardRun run = hs::run_forward(kernel, r->d, opt);
+        const hs::ForwardErrors e = hs::forward_errors(r->fwd, run.out);
+        const bool bf16 = c.dtype == DType::bf16;
+        print_row(name, c, c.dtype,
+                  {measure(present(e.o), bf16, false), measure(present(e.final_state), false, false),
+                   measure(present(e.chunk_states), false, false)},
                   counts);
       } catch (const std::exception& e) {
-        print_unavailable(name, r.c, dtype, e.what(), true, counts);
+        print_unavailable(name, c, c.dtype, e.what(), true, counts);
       }
     }
 
   std::printf("\n%-20s %-11s %-5s %9s %9s %9s %9s %9s %9s %9s %9s %13s  %s\n", "backward path", "regime",
               "dtype", "dq", "dk", "dv", "dg", "dbeta", "d_state", "dA_log", "ddt_bias", "tol", "result");
-  for (Ref& r : refs) {
+  for (auto& r : refs) {
     try {
-      r.grads = kda::reference::backward(r.c.problem, r.in, r.c.d_o.to_double(), widen(r.c.d_final_state));
+      r->grads = hs::oracle_backward(r->d, r->ct);
     } catch (const std::exception& e) {
-      r.grads_error = std::string("oracle backward: ") + e.what();
+      r->grads_error = std::string("oracle backward: ") + e.what();
     }
   }
-  const std::pair<const char*, BackwardFn> backward_paths[] = {
-      {"chunk_backward", &kda::chunk_backward}, {"recurrent_backward", &kda::recurrent_backward}};
-  for (const auto& [name, fn] : backward_paths)
-    for (const Ref& r : refs) {
-      const DType dtype = r.c.v.dtype();
-      if (!r.grads) {
-        print_unavailable(name, r.c, dtype, r.grads_error, true, counts);
+  for (hs::Kernel kernel : hs::kKernels)
+    for (const auto& r : refs) {
+      const char* name = kernel == hs::Kernel::chunk ? "chunk_backward" : "recurrent_backward";
+      const Case& c = r->d.c;
+      if (!r->grads) {
+        print_unavailable(name, c, c.dtype, r->grads_error, true, counts);
         continue;
       }
       try {
-        kda_demo::BackwardBuffers bb(r.c);
-        fn(r.c.problem, r.c.backward_inputs(), bb.outputs(r.c.problem), opt);
-        const kda::reference::Gradients& g = *r.grads;
-        const bool fused = !r.c.A_log.empty();
-        const bool bf16 = dtype == DType::bf16;
-        const auto act = [&](const kda_demo::Tensor& got, const std::vector<double>& ref) {
-          return measure(kda_demo::rel_rms(got, ref), bf16, true);
-        };
-        const auto f32 = [&](const std::vector<float>& got, const std::vector<double>& ref) {
-          return measure(kda_demo::rel_rms(got, ref), false, true);
-        };
-        print_row(
-            name, r.c, dtype,
-            {act(bb.dq, g.dq), act(bb.dk, g.dk), act(bb.dv, g.dv), act(bb.dg, g.dg), act(bb.dbeta, g.dbeta),
-             f32(bb.d_initial_state, g.d_initial_state), fused ? f32(bb.dA_log, g.dA_log) : Measure{},
-             fused ? f32(bb.ddt_bias, g.ddt_bias) : Measure{}},
-            counts);
+        const hs::BackwardRun run = hs::run_backward(kernel, r->d, r->ct, opt);
+        std::vector<Measure> m(hs::kNumGrads);
+        for (const hs::GradientError& g : hs::gradient_errors(r->d, *r->grads, run.out))
+          m[g.g] = Measure{g.finite ? g.error : std::numeric_limits<double>::infinity(), g.tolerance()};
+        print_row(name, c, c.dtype, m, counts);
       } catch (const std::exception& e) {
         // A backward that throws is a failure, reported with its reason.
-        print_unavailable(name, r.c, dtype, e.what(), true, counts);
+        print_unavailable(name, c, c.dtype, e.what(), true, counts);
       }
     }
 
@@ -413,7 +421,7 @@ void print_speed_row(int threads, const char* path, std::optional<double> second
 }
 
 int run_bench(const Options& o) {
-  Shape s;
+  Case s;
   s.B = o.B.value_or(1);
   s.T = o.T.value_or(8192);
   s.H = s.HV = o.H.value_or(32);
@@ -425,18 +433,25 @@ int run_bench(const Options& o) {
   const int64_t tokens = s.B * s.T;
 
   std::printf("kda bench: %s fp32, log-decay gate (mild), median of %d runs after a warm-up\n",
-              kda_demo::describe(s).c_str(), o.reps.value_or(3));
+              s.shape().c_str(), o.reps.value_or(3));
   std::printf("kernels dispatch to SIMD target %s\n", kda::simd_target());
   std::printf("nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k\n\n",
               kda_demo::chunk_flops_per_token_head(s.K, s.V) / 1e3,
               kda_demo::recurrent_flops_per_token_head(s.K, s.V) / 1e3);
   std::fflush(stdout);
   std::fprintf(stderr, "generating inputs...\n");
-  const Case c = kda_demo::make_case(s, Regime::mild, DType::f32, o.seed, o.backward);
+  Case c = s;  // mild log-decay gates, fp32, a random initial state
+  c.initial_state = true;
+  c.seed = o.seed;
+  hs::Data d;
+  hs::make_data(c, d);
+  hs::Cotangents ct;
+  if (o.backward) hs::make_cotangents(d, /*with_final_state=*/true, o.seed + 1, ct);
 
   std::printf("%7s  %-24s %10s %12s %9s\n", "threads", "path", "ms", "tokens/s", "GFLOP/s");
   for (int t : threads) {
-    const kda_demo::SpeedResult r = kda_demo::measure_speed(c, t, o.reps.value_or(3), o.backward);
+    const kda_demo::SpeedResult r =
+        kda_demo::measure_speed(d, o.backward ? &ct : nullptr, t, o.reps.value_or(3));
     // chunk_forward (what chunk_kda runs) counted in the recurrent form's FLOPs: the work a token needs.
     print_speed_row(t, "chunk_forward (prefill)", r.prefill_fwd, tokens, rec_fpt, r.prefill_fwd_error);
     print_speed_row(t, "  chunked kernel", r.chunk_fwd, tokens, chunk_fpt, r.chunk_fwd_error);
@@ -482,7 +497,7 @@ std::vector<unsigned char> random_pool(int64_t slots, size_t slot_elements, kda:
   for (size_t i = 0; i < storage.size() / element; ++i) {
     const float x = 0.01f * static_cast<float>(static_cast<int64_t>(rng() % 201) - 100);
     if (dtype == kda::DType::bf16) {
-      const uint16_t b = kda_demo::to_bf16(x);
+      const uint16_t b = hs::bf16_bits(x);
       std::memcpy(storage.data() + i * 2, &b, 2);
     } else {
       std::memcpy(storage.data() + i * 4, &x, 4);
@@ -512,7 +527,7 @@ struct GatherForwardScatter {
       } else {
         const uint16_t* from =
             reinterpret_cast<const uint16_t*>(pool) + static_cast<size_t>(slots[r]) * slot_elements;
-        for (size_t i = 0; i < slot_elements; ++i) to[i] = kda_demo::from_bf16(from[i]);
+        for (size_t i = 0; i < slot_elements; ++i) to[i] = hs::bf16_value(from[i]);
       }
     }
     kda::recurrent_forward(p, in, out, opt);
@@ -522,7 +537,7 @@ struct GatherForwardScatter {
         std::memcpy(pool + static_cast<size_t>(slots[r]) * slot_elements * 4, from, slot_elements * 4);
       } else {
         uint16_t* to = reinterpret_cast<uint16_t*>(pool) + static_cast<size_t>(slots[r]) * slot_elements;
-        for (size_t i = 0; i < slot_elements; ++i) to[i] = kda_demo::to_bf16(from[i]);
+        for (size_t i = 0; i < slot_elements; ++i) to[i] = hs::bf16_bits(from[i]);
       }
     }
   }
@@ -537,7 +552,7 @@ struct DecodeRow {
   double state_bytes;
 };
 
-void print_decode_row(const Options& o, const Shape& s, const DecodeRow& r, double copy_gbs) {
+void print_decode_row(const Options& o, const Case& s, const DecodeRow& r, double copy_gbs) {
   const double tokens = static_cast<double>(r.requests * s.T);
   if (o.json) {
     std::printf(
@@ -564,7 +579,7 @@ void print_decode_row(const Options& o, const Shape& s, const DecodeRow& r, doub
 }
 
 int run_decode(const Options& o) {
-  Shape base;
+  Case base;
   base.T = o.T.value_or(1);
   base.H = base.HV = o.H.value_or(32);
   base.K = o.K.value_or(128);
@@ -580,7 +595,7 @@ int run_decode(const Options& o) {
     std::printf(
         "kda decode: requests x %s, %s, pool of 2 x requests x columns slots at random, updated in "
         "place; median of %d batches of steps\n",
-        kda_demo::describe(base).c_str(),
+        base.shape().c_str(),
         o.spec ? "speculative (the state after every token stored)" : "one state stored per request", reps);
     print_targets();
     std::printf(
@@ -596,11 +611,14 @@ int run_decode(const Options& o) {
                   "us/step", "tokens/s", "bound us", "of bound", "baseline us", "speedup");
     }
     for (int64_t N : requests) {
-      Shape s = base;
+      Case s = base;
       s.B = N;
-      const kda_demo::Case c = kda_demo::make_case(s, Regime::mild, DType::f32, o.seed, false);
-      kda_demo::ForwardBuffers fb(c, false);
-      const kda::ForwardOutputs fo = fb.outputs(c.problem);
+      Case c = s;  // mild log-decay gates, fp32
+      c.seed = o.seed;
+      hs::Data d;
+      hs::make_data(c, d);
+      hs::ForwardOut fb = hs::forward_buffers(d, /*want_states=*/false);
+      const kda::ForwardOutputs fo = hs::forward_outputs(fb);
       const int64_t slots = o.slots.value_or(2 * N * columns);
       if (slots < N * columns) usage_error("--slots must be at least B (x T with --spec)");
       // Distinct random slots for every (request, column); starting columns at random when speculating.
@@ -615,7 +633,7 @@ int run_decode(const Options& o) {
       for (int64_t n = 0; n < N; ++n)
         start_slots[n] = indices[static_cast<size_t>(n * columns + accepted[n] - 1)];
       kda::DecodeInputs in;
-      in.fwd = c.inputs();
+      in.fwd = d.inputs();
       in.fwd.initial_state = nullptr;  // the states are in the pool
       in.state_indices = kda::make_indices(indices.data(), N, columns);
       if (o.spec) in.num_accepted_tokens = kda::make_indices(accepted.data(), N);
@@ -626,7 +644,7 @@ int run_decode(const Options& o) {
 
       for (const std::string& layout : o.layouts) {
         for (const std::string& dtype_name : o.pool_dtypes) {
-          kda::Problem p = c.problem;
+          kda::Problem p = d.problem();
           p.state_layout = layout == "v" ? kda::StateLayout::v_first : kda::StateLayout::k_first;
           const kda::DType dtype = dtype_name == "bf16" ? kda::DType::bf16 : kda::DType::f32;
           const size_t element = dtype == kda::DType::bf16 ? 2 : 4;
@@ -646,7 +664,7 @@ int run_decode(const Options& o) {
           // The baseline moves the same states (speculative per-token states are not available to it:
           // it stores only the final one).
           GatherForwardScatter g{
-              p,           c.inputs(),     fo,    std::vector<float>(static_cast<size_t>(N) * slot_elements),
+              p,           d.inputs(),     fo,    std::vector<float>(static_cast<size_t>(N) * slot_elements),
               start_slots, storage.data(), dtype, slot_elements};
           g.in.initial_state = g.dense.data();
           g.out.final_state = g.dense.data();

@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "demo_inputs.hpp"
+#include "harness.hpp"
+#include "kda/kda.hpp"
 
 namespace kda_demo {
 
@@ -68,53 +69,51 @@ struct SpeedResult {
   std::string prefill_fwd_error, chunk_fwd_error, recurrent_fwd_error, backward_error;
 };
 
-// The Case must have been made with with_backward = true for the backward runs.
-inline SpeedResult measure_speed(const Case& c, int threads, int reps, bool with_backward) {
+// ct: the backward's cotangents, or null to time the forward paths only.
+inline SpeedResult measure_speed(const kda::harness::Data& d, const kda::harness::Cotangents* ct, int threads,
+                                 int reps) {
+  namespace hs = kda::harness;
   SpeedResult r;
   const kda::RunOptions opt{threads};
   const std::string tag = " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
-  const kda::ForwardInputs in = c.inputs();
-  try {
-    ForwardBuffers fb(c, false);
-    const kda::ForwardOutputs out = fb.outputs(c.problem);
-    r.prefill_fwd =
-        median(time_runs("chunk_forward" + tag, reps, [&] { kda::chunk_forward(c.problem, in, out, opt); }));
-  } catch (const std::exception& e) {
-    r.prefill_fwd_error = e.what();
-  }
-  try {
-    ForwardBuffers fb(c, false);
-    const kda::ForwardOutputs out = fb.outputs(c.problem);
-    kda::RunOptions chunked = opt;
-    chunked.forward_kernel = kda::ForwardKernel::chunked;
-    r.chunk_fwd = median(
-        time_runs("chunked kernel" + tag, reps, [&] { kda::chunk_forward(c.problem, in, out, chunked); }));
-  } catch (const std::exception& e) {
-    r.chunk_fwd_error = e.what();
-  }
-  try {
-    ForwardBuffers fb(c, false);
-    const kda::ForwardOutputs out = fb.outputs(c.problem);
-    r.recurrent_fwd = median(
-        time_runs("recurrent_forward" + tag, reps, [&] { kda::recurrent_forward(c.problem, in, out, opt); }));
-  } catch (const std::exception& e) {
-    r.recurrent_fwd_error = e.what();
-  }
-  if (with_backward) {
+  const kda::Problem p = d.problem();
+  const kda::ForwardInputs in = d.inputs();
+  const auto forward = [&](const std::string& label, kda::ForwardKernel kernel, bool recurrent,
+                           std::optional<double>& result, std::string& error) {
     try {
-      ForwardBuffers fb(c, true);
-      BackwardBuffers bb(c);
-      const kda::ForwardOutputs fout = fb.outputs(c.problem);
-      const kda::BackwardInputs bin = c.backward_inputs(fb.chunk_states.data());
-      const kda::BackwardOutputs bout = bb.outputs(c.problem);
+      hs::ForwardOut fb = hs::forward_buffers(d, /*want_states=*/true);
+      kda::ForwardOutputs out = hs::forward_outputs(fb);
+      out.chunk_states = nullptr;  // prefill keeps only the final state
+      kda::RunOptions o = opt;
+      o.forward_kernel = kernel;
+      result = median(time_runs(label + tag, reps, [&] {
+        if (recurrent)
+          kda::recurrent_forward(p, in, out, o);
+        else
+          kda::chunk_forward(p, in, out, o);
+      }));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
+  forward("chunk_forward", kda::ForwardKernel::automatic, false, r.prefill_fwd, r.prefill_fwd_error);
+  forward("chunked kernel", kda::ForwardKernel::chunked, false, r.chunk_fwd, r.chunk_fwd_error);
+  forward("recurrent_forward", kda::ForwardKernel::automatic, true, r.recurrent_fwd, r.recurrent_fwd_error);
+  if (ct != nullptr) {
+    try {
+      hs::ForwardOut fb = hs::forward_buffers(d, /*want_states=*/true);
+      hs::BackwardOut bb = hs::backward_buffers(d);
+      const kda::ForwardOutputs fout = hs::forward_outputs(fb);
+      const kda::BackwardInputs bin = hs::backward_inputs(d, *ct, fb.chunk_states.data());
+      const kda::BackwardOutputs bout = hs::backward_outputs(bb);
       // Forward and backward timed separately within each rep, as a training step runs them.
       std::vector<double> fwd, bwd;
       time_runs("chunk forward+backward" + tag, reps, [&] {
         auto t0 = std::chrono::steady_clock::now();
-        kda::chunk_forward(c.problem, in, fout, opt);
+        kda::chunk_forward(p, in, fout, opt);
         fwd.push_back(seconds_since(t0));
         t0 = std::chrono::steady_clock::now();
-        kda::chunk_backward(c.problem, bin, bout, opt);
+        kda::chunk_backward(p, bin, bout, opt);
         bwd.push_back(seconds_since(t0));
       });
       fwd.erase(fwd.begin());  // the warm-up

@@ -1,13 +1,14 @@
-#include "test_util.hpp"
+#include "harness.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <sstream>
 
-namespace kda::test {
+namespace kda::harness {
 
 // ---- random numbers --------------------------------------------------------------------------
 
@@ -39,6 +40,10 @@ namespace {
 
 double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
 
+size_t elem_size(DType t) { return t == DType::bf16 ? 2 : 4; }
+
+}  // namespace
+
 uint16_t bf16_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -53,10 +58,6 @@ float bf16_value(uint16_t bits) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-
-size_t elem_size(DType t) { return t == DType::bf16 ? 2 : 4; }
-
-}  // namespace
 
 float round_bf16(float x) { return bf16_value(bf16_bits(x)); }
 
@@ -102,6 +103,17 @@ std::string number(double x) {
 const char* dtype_str(DType t) { return t == DType::bf16 ? "bf16" : "f32"; }
 
 }  // namespace
+
+std::string Case::shape() const {
+  const std::string heads =
+      H == HV ? "H=HV=" + std::to_string(H) : "H=" + std::to_string(H) + " HV=" + std::to_string(HV);
+  const std::string dims =
+      K == V ? "K=V=" + std::to_string(K) : "K=" + std::to_string(K) + " V=" + std::to_string(V);
+  const std::string tokens = lengths.empty() ? "B=" + std::to_string(B) + " T=" + std::to_string(T)
+                                             : std::to_string(lengths.size()) + " sequences, " +
+                                                   std::to_string(total_tokens()) + " tokens";
+  return tokens + " " + heads + " " + dims;
+}
 
 std::string Case::name() const {
   std::string s;
@@ -388,21 +400,33 @@ float* data_or_null(std::vector<float>& v) { return v.empty() ? nullptr : v.data
 
 }  // namespace
 
-ForwardRun run_forward(Kernel kernel, const Data& d, const RunOptions& opt, bool want_states) {
+ForwardOut forward_buffers(const Data& d, bool want_states) {
   const Case& c = d.c;
   const Problem p = d.problem();
-  ForwardRun r;
-  r.out.o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
-  r.out.o.fill_bytes(0xff);
-  const std::vector<uint32_t> before = r.out.o.raw();
-  ForwardOutputs out;
-  out.o = r.out.o.output();
+  ForwardOut out;
+  out.o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
+  out.o.fill_bytes(0xff);
   if (want_states) {
-    r.out.final_state.assign(static_cast<size_t>(d.state_elems()), kNaN);
-    r.out.chunk_states.assign(static_cast<size_t>(num_chunks(p) * c.HV * c.K * c.V), kNaN);
-    out.final_state = data_or_null(r.out.final_state);
-    out.chunk_states = data_or_null(r.out.chunk_states);
+    out.final_state.assign(static_cast<size_t>(d.state_elems()), kNaN);
+    out.chunk_states.assign(static_cast<size_t>(num_chunks(p) * c.HV * c.K * c.V), kNaN);
   }
+  return out;
+}
+
+ForwardOutputs forward_outputs(ForwardOut& out) {
+  ForwardOutputs views;
+  views.o = out.o.output();
+  views.final_state = data_or_null(out.final_state);
+  views.chunk_states = data_or_null(out.chunk_states);
+  return views;
+}
+
+ForwardRun run_forward(Kernel kernel, const Data& d, const RunOptions& opt, bool want_states) {
+  const Problem p = d.problem();
+  ForwardRun r;
+  r.out = forward_buffers(d, want_states);
+  const std::vector<uint32_t> before = r.out.o.raw();
+  const ForwardOutputs out = forward_outputs(r.out);
   if (kernel == Kernel::chunk) {
     RunOptions chunked = opt;  // the chunked kernel itself, not chunk_forward's automatic choice
     chunked.forward_kernel = ForwardKernel::chunked;
@@ -434,24 +458,25 @@ void make_cotangents(const Data& d, bool with_final_state, uint64_t seed, Cotang
   }
 }
 
-BackwardRun run_backward(Kernel kernel, const Data& d, const Cotangents& ct, const RunOptions& opt,
-                         const float* chunk_states) {
+BackwardOut backward_buffers(const Data& d) {
   const Case& c = d.c;
   const Problem p = d.problem();
-  BackwardRun r;
-  BackwardOut& o = r.out;
+  BackwardOut o;
   o.dq = Tensor(d.q.dtype(), p.batch, p.seq_len, c.H, c.K, c.strided);
   o.dk = Tensor(d.k.dtype(), p.batch, p.seq_len, c.H, c.K, c.strided);
   o.dv = Tensor(d.v.dtype(), p.batch, p.seq_len, c.HV, c.V, c.strided);
   o.dg = Tensor(d.g.dtype(), p.batch, p.seq_len, c.HV, c.K, c.strided);
   o.dbeta = Tensor(d.beta.dtype(), p.batch, p.seq_len, c.HV, 1, c.strided);
-  Tensor* all[] = {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta};
-  std::vector<std::vector<uint32_t>> before;
-  for (Tensor* t : all) {
-    t->fill_bytes(0xff);
-    before.push_back(t->raw());
-  }
+  for (Tensor* t : {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta}) t->fill_bytes(0xff);
   o.d_initial_state.assign(static_cast<size_t>(d.state_elems()), kNaN);
+  if (c.gate != GateMode::log_decay) {
+    o.dA_log.assign(static_cast<size_t>(c.HV), kNaN);
+    o.ddt_bias.assign(static_cast<size_t>(c.HV * c.K), kNaN);
+  }
+  return o;
+}
+
+BackwardOutputs backward_outputs(BackwardOut& o) {
   BackwardOutputs out;
   out.dq = o.dq.output();
   out.dk = o.dk.output();
@@ -459,17 +484,31 @@ BackwardRun run_backward(Kernel kernel, const Data& d, const Cotangents& ct, con
   out.dg = o.dg.output();
   out.dbeta = o.dbeta.output();
   out.d_initial_state = data_or_null(o.d_initial_state);
-  if (c.gate != GateMode::log_decay) {
-    o.dA_log.assign(static_cast<size_t>(c.HV), kNaN);
-    o.ddt_bias.assign(static_cast<size_t>(c.HV * c.K), kNaN);
-    out.dA_log = o.dA_log.data();
-    out.ddt_bias = o.ddt_bias.data();
-  }
+  out.dA_log = data_or_null(o.dA_log);
+  out.ddt_bias = data_or_null(o.ddt_bias);
+  return out;
+}
+
+BackwardInputs backward_inputs(const Data& d, const Cotangents& ct, const float* chunk_states) {
   BackwardInputs in;
   in.fwd = d.inputs();
   in.d_o = ct.d_o.input();
   in.d_final_state = ct.d_final_state.empty() ? nullptr : ct.d_final_state.data();
   in.chunk_states = chunk_states;
+  return in;
+}
+
+BackwardRun run_backward(Kernel kernel, const Data& d, const Cotangents& ct, const RunOptions& opt,
+                         const float* chunk_states) {
+  const Problem p = d.problem();
+  BackwardRun r;
+  r.out = backward_buffers(d);
+  BackwardOut& o = r.out;
+  const Tensor* all[] = {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta};
+  std::vector<std::vector<uint32_t>> before;
+  for (const Tensor* t : all) before.push_back(t->raw());
+  const BackwardOutputs out = backward_outputs(o);
+  const BackwardInputs in = backward_inputs(d, ct, chunk_states);
   if (kernel == Kernel::chunk)
     chunk_backward(p, in, out, opt);
   else
@@ -530,6 +569,24 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return true;
 }
 
+bool emulated() {
+  static const bool on = [] {
+    const char* env = std::getenv("KDA_TEST_EMULATED");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return on;
+}
+
+void size_for_emulation(Case& c) {
+  constexpr int64_t kMaxTokens = 70;
+  auto dim = [](int64_t n) { return n > 32 ? 16 + n % 16 : n; };
+  c.T = std::min(c.T, kMaxTokens);
+  for (int64_t& len : c.lengths) len = std::min(len, kMaxTokens);
+  if (!c.lengths.empty()) c.T = std::accumulate(c.lengths.begin(), c.lengths.end(), int64_t{0});
+  c.K = dim(c.K);
+  c.V = dim(c.V);
+}
+
 std::vector<Case> parity_grid(uint64_t seed, bool light_long) {
   const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
   const int64_t lengths[] = {1, 15, 16, 17, 63, 64, 65, 1000};
@@ -573,4 +630,101 @@ std::vector<Case> parity_grid(uint64_t seed, bool light_long) {
   return cases;
 }
 
-}  // namespace kda::test
+// ---- judging a run against the oracle ---------------------------------------------------------
+
+ForwardErrors forward_errors(const reference::ForwardResult& ref, const ForwardOut& out) {
+  ForwardErrors e;
+  e.o = rel_rms(ref.o, out.o.packed());
+  if (!out.final_state.empty()) e.final_state = rel_rms(ref.final_state, out.final_state);
+  if (!out.chunk_states.empty()) e.chunk_states = rel_rms(ref.chunk_states, out.chunk_states);
+  return e;
+}
+
+namespace {
+
+// The oracle's gradient as an fp32 value can hold it: a value below fp32's range becomes 0 (or
+// subnormal) rather than a target no fp32 kernel can reach. Example: with a spike on the only token,
+// d_initial_state = e^g dS with g <= -200 is ~1e-140 in float64 and exactly 0 in fp32, a relative
+// error of 1 against the raw oracle. Elsewhere this moves the reference by at most 2^-24 relative.
+std::vector<double> fp32_reference(const std::vector<double>& x) {
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = static_cast<float>(x[i]);
+  return r;
+}
+
+// dA_log and ddt_bias are sums over every token (and key channel) of per-element terms; a sum's
+// rounding error is proportional to the sum of its terms' magnitudes, not to the sum itself, which
+// can cancel (by 150x in one grid case). Their error is therefore measured against the RMS of
+// sum |term| per output element, from the oracle's per-element raw-gate gradient dg:
+//   ddt_bias[hv, d]: terms dg;   dA_log[hv]: terms dg * (d log-decay / dA_log) / (d log-decay / dx),
+// i.e. dg * softplus(z) / sigmoid(z) for the softplus gate and dg * z for the lower-bound gate, z = x + bias.
+struct ReductionScales {
+  double dA_log = 0, ddt_bias = 0;
+};
+ReductionScales reduction_scales(const Data& d, const reference::Gradients& ref) {
+  const Case& c = d.c;
+  std::vector<double> sum_a(static_cast<size_t>(c.HV), 0.0), sum_b(static_cast<size_t>(c.HV * c.K), 0.0);
+  const std::vector<double> x = d.g.packed();  // [B, T, HV, K]
+  for (size_t i = 0; i < x.size(); ++i) {
+    const int64_t kk = static_cast<int64_t>(i) % c.K;
+    const int64_t hv = static_cast<int64_t>(i) / c.K % c.HV;
+    const double z = x[i] + (d.dt_bias.empty() ? 0.0 : d.dt_bias[hv * c.K + kk]);
+    double ratio = z;  // lower-bound gate
+    if (c.gate == GateMode::softplus) {
+      const double sg = sigmoid(z);
+      ratio = sg > 0 ? softplus(z) / sg : 1.0;  // -> 1 as z -> -inf
+    }
+    sum_a[hv] += std::abs(ref.dg[i] * ratio);
+    sum_b[hv * c.K + kk] += std::abs(ref.dg[i]);
+  }
+  const auto rms = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double e : v) s += e * e;
+    return std::sqrt(s / std::max<size_t>(1, v.size()));
+  };
+  return {rms(sum_a), rms(sum_b)};
+}
+
+// RMS(got - ref) / scale.
+double rms_error_against(const std::vector<double>& ref, const std::vector<double>& got, double scale) {
+  if (ref.size() != got.size()) return std::numeric_limits<double>::infinity();
+  double s = 0;
+  for (size_t i = 0; i < ref.size(); ++i) s += (got[i] - ref[i]) * (got[i] - ref[i]);
+  const double rms = std::sqrt(s / std::max<size_t>(1, ref.size()));
+  return scale > 0 ? rms / scale : rms;
+}
+
+}  // namespace
+
+double gradient_tolerance(Grad g, bool stored_bf16) {
+  return backward_tolerance(stored_bf16, g == kDg || g == kDbeta);
+}
+
+std::vector<GradientError> gradient_errors(const Data& d, const reference::Gradients& ref,
+                                           const BackwardOut& o) {
+  const bool fused = d.c.gate != GateMode::log_decay;
+  const ReductionScales scales = fused ? reduction_scales(d, ref) : ReductionScales{};
+  std::vector<GradientError> out;
+  const auto tensor = [&](Grad g, const std::vector<double>& r, const Tensor& t) {
+    out.push_back({g, rel_rms(fp32_reference(r), t.packed()), t.all_finite(), t.dtype() == DType::bf16});
+  };
+  // d_initial_state, dA_log and ddt_bias are stored in fp32 whatever the inputs' dtype, and the
+  // oracle saw the same bf16-rounded inputs, so they are held to the fp32 tolerance.
+  const auto buffer = [&](Grad g, const std::vector<double>& r, const std::vector<float>& x, double scale) {
+    const double e = scale >= 0 ? rms_error_against(r, widen(x), scale) : rel_rms(fp32_reference(r), x);
+    out.push_back({g, e, all_finite(x), false});
+  };
+  tensor(kDq, ref.dq, o.dq);
+  tensor(kDk, ref.dk, o.dk);
+  tensor(kDv, ref.dv, o.dv);
+  tensor(kDg, ref.dg, o.dg);
+  tensor(kDbeta, ref.dbeta, o.dbeta);
+  buffer(kDh0, ref.d_initial_state, o.d_initial_state, -1);
+  if (fused) {
+    buffer(kDALog, ref.dA_log, o.dA_log, scales.dA_log);
+    buffer(kDdtBias, ref.ddt_bias, o.ddt_bias, scales.ddt_bias);
+  }
+  return out;
+}
+
+}  // namespace kda::harness

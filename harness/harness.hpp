@@ -1,0 +1,263 @@
+// The harness shared by the test suite (tests/), `kda check` and `kda bench` (tools/) and the benchmark
+// (bench/): a deterministic RNG, a description of one KDA case, input generation per gate regime (so a
+// regime name means one thing everywhere), strided tensors in f32 / bf16, runners for the kernels and
+// the oracle, and the error measures and tolerances (tolerances.hpp) a result is judged by.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kda/kda.hpp"
+#include "kda/reference.hpp"
+#include "tolerances.hpp"
+
+namespace kda::harness {
+
+// ---- random numbers --------------------------------------------------------------------------
+
+// splitmix64: tiny, deterministic on every platform (unlike std::normal_distribution).
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next();
+  double uniform();                      // [0, 1)
+  double uniform(double lo, double hi);  // [lo, hi)
+  double normal();                       // N(0, 1), Box-Muller
+  int64_t below(int64_t n);              // [0, n)
+  bool chance(double p) { return uniform() < p; }
+
+ private:
+  uint64_t state_;
+};
+
+double logsigmoid(double x);
+double sigmoid(double x);
+float round_bf16(float x);    // nearest bf16 value, as a float
+uint16_t bf16_bits(float x);  // its bits (round to nearest even; NaN stays NaN)
+float bf16_value(uint16_t bits);
+
+// ---- test cases ------------------------------------------------------------------------------
+
+// How the gate values are generated.
+enum class Regime {
+  mild,       // g = logsigmoid(N(0,1)): decays around 0.5..1
+  strong,     // g = 5 * logsigmoid(N(0,1)): many strong decays
+  zero,       // g = 0: no decay at all
+  spike,      // mild, plus g = -1000 on a few single tokens in some channels
+  unbounded,  // Kimi-Linear's gate: A_log ~ U(3, 5), raw g ~ 6 N(0,1): log decays down to -1e2..-1e3
+};
+const char* regime_name(Regime r);
+
+enum class Kernel { chunk, recurrent };
+const char* kernel_name(Kernel k);
+inline constexpr Kernel kKernels[] = {Kernel::chunk, Kernel::recurrent};
+
+struct Case {
+  int64_t B = 1, T = 16;
+  std::vector<int64_t> lengths;  // non-empty: packed variable-length batch (B = 1, T = sum)
+  int64_t H = 1, HV = 1, K = 16, V = 16;
+  Regime regime = Regime::mild;
+  DType dtype = DType::f32;         // q, k, v (and o)
+  std::optional<DType> gate_dtype;  // g and beta; default: dtype
+  StateLayout layout = StateLayout::k_first;
+  bool initial_state = false;
+  bool qk_l2norm = false;
+  GateMode gate = GateMode::log_decay;  // Regime::unbounded with log_decay passes the computed decays
+  bool dt_bias = true;                  // fused gates: pass a dt_bias
+  float lower_bound = -5.0f;            // GateMode::lower_bound
+  BetaMode beta = BetaMode::given;
+  std::optional<float> scale;
+  bool strided = false;  // non-contiguous, permuted and padded inputs and outputs
+  uint64_t seed = 1;
+
+  int64_t total_tokens() const;  // T, or the sum of lengths
+  std::string name() const;      // readable, [A-Za-z0-9_] only (usable as a gtest parameter name)
+  std::string shape() const;     // "B=1 T=300 H=HV=2 K=V=128", for tables
+};
+// gtest prints a Case parameter by its name.
+void PrintTo(const Case& c, std::ostream* os);
+
+// ---- tensors ---------------------------------------------------------------------------------
+
+// One activation [B, T, heads, dim] in f32 or bf16. Packed, or (strided) laid out as
+// [T][heads][B][dim + 3] with 5 extra elements per token, so every stride differs from the packed
+// one and the padding can be checked. Padding is filled with NaN for inputs.
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(DType dtype, int64_t B, int64_t T, int64_t heads, int64_t dim, bool strided);
+
+  DType dtype() const { return dtype_; }
+  int64_t B() const { return B_; }
+  int64_t T() const { return T_; }
+  int64_t heads() const { return heads_; }
+  int64_t dim() const { return dim_; }
+  int64_t stride_b() const { return sb_; }
+  int64_t stride_t() const { return st_; }
+  int64_t stride_h() const { return sh_; }
+
+  Input input() const;
+  Output output();
+
+  // Element (b, t, h, i); set() rounds to the dtype.
+  double get(int64_t b, int64_t t, int64_t h, int64_t i) const;
+  void set(int64_t b, int64_t t, int64_t h, int64_t i, double x);
+
+  std::vector<double> packed() const;  // every element, packed [B, T, heads, dim], as double
+  bool all_finite() const;             // every element (not the padding) is finite
+
+  // Every element and the padding set to one byte value (e.g. 0xff: NaN in f32 and bf16).
+  void fill_bytes(uint8_t byte);
+  // Raw contents, to check that nothing outside the rows was written.
+  const std::vector<uint32_t>& raw() const { return words_; }
+  // Whether every byte outside the elements equals `before`'s.
+  bool padding_equal(const std::vector<uint32_t>& before) const;
+
+ private:
+  int64_t offset(int64_t b, int64_t t, int64_t h, int64_t i) const { return b * sb_ + t * st_ + h * sh_ + i; }
+  DType dtype_ = DType::f32;
+  int64_t B_ = 0, T_ = 0, heads_ = 0, dim_ = 0, sb_ = 0, st_ = 0, sh_ = 0;
+  std::vector<uint32_t> words_;  // storage (at least one word, so data() is never null)
+};
+
+// The inputs of one case, as handed to a kernel. Not copyable: the problem points into it.
+struct Data {
+  Case c;
+  std::vector<int64_t> cu;  // cu_seqlens when varlen
+  Tensor q, k, v, g, beta;
+  std::vector<float> A_log, dt_bias, h0;
+
+  Data() = default;
+  Data(const Data&) = delete;
+  Data& operator=(const Data&) = delete;
+
+  Problem problem() const;
+  ForwardInputs inputs() const;
+  int64_t num_sequences() const;
+  int64_t state_elems() const { return num_sequences() * c.HV * c.K * c.V; }
+};
+
+// Generates the inputs of a case (deterministic in c.seed). Keys are unit-norm (or the case asks the
+// kernel to normalise them), beta lies in (0, 1) (or is a logit for the sigmoid modes), every value
+// is rounded to its dtype before anyone sees it.
+void make_data(const Case& c, Data& d);
+
+// The parity grid shared by the forward and backward tests: every regime at every edge length
+// T in {1, 15, 16, 17, 63, 64, 65, 1000}; the other axes (K, V in {16, 60, 100, 128}, GVA ratio 1/2/4,
+// batch, layout, initial state, dtype, fused options, scale) spread over the cases so that each value
+// appears often and in varied company. Deterministic in `seed`. `light_long` keeps the T = 1000 cases
+// cheap for an oracle that costs ~T * HV * K * V per gradient (V in {16, 60}, GVA ratio <= 2).
+std::vector<Case> parity_grid(uint64_t seed, bool light_long);
+
+// Under emulation (KDA_TEST_EMULATED=1: the Arm targets under qemu, where NEON runs ~70x and SVE
+// ~500x slower than native) every grid keeps all of its cases, so every path, regime, layout, dtype,
+// option and edge length stays, but sequences are cut to at most 70 tokens (still two chunks) and
+// head dimensions above 32 to 16 + n % 16 (a partial vector stays partial, a whole one whole).
+bool emulated();
+void size_for_emulation(Case& c);
+template <typename T>
+std::vector<T> sized_for_this_run(std::vector<T> cases) {
+  if (emulated())
+    for (T& x : cases) {
+      if constexpr (std::is_same_v<T, Case>)
+        size_for_emulation(x);
+      else
+        size_for_emulation(x.c);
+    }
+  return cases;
+}
+
+// ---- running kernels and the oracle -------------------------------------------------------------
+
+struct ForwardOut {
+  Tensor o;
+  std::vector<float> final_state, chunk_states;
+};
+// Output buffers of a forward call, every byte of o 0xff and the states NaN (so an element a kernel
+// forgets is caught by finiteness); the states only when asked for. forward_outputs() gives the views.
+ForwardOut forward_buffers(const Data& d, bool want_states);
+ForwardOutputs forward_outputs(ForwardOut& out);
+
+// Runs a kernel. Outputs start as NaN, so an element the kernel forgets is caught by finiteness.
+// Strided cases use a strided o, whose padding must stay untouched (checked: padding_ok).
+struct ForwardRun {
+  ForwardOut out;
+  bool padding_ok = true;
+};
+ForwardRun run_forward(Kernel kernel, const Data& d, const RunOptions& opt = {}, bool want_states = true);
+
+reference::ForwardResult oracle_forward(const Data& d);
+
+// Gradients flowing into a backward call.
+struct Cotangents {
+  Tensor d_o;                        // dtype of v, same stridedness as the case
+  std::vector<float> d_final_state;  // empty: none
+};
+void make_cotangents(const Data& d, bool with_final_state, uint64_t seed, Cotangents& ct);
+
+struct BackwardOut {
+  Tensor dq, dk, dv, dg, dbeta;
+  std::vector<float> d_initial_state, dA_log, ddt_bias;
+};
+// Gradient buffers (0xff bytes / NaN, dA_log and ddt_bias with a fused gate) and their views, and the
+// inputs of a backward call (chunk_states from a forward may be null).
+BackwardOut backward_buffers(const Data& d);
+BackwardOutputs backward_outputs(BackwardOut& out);
+BackwardInputs backward_inputs(const Data& d, const Cotangents& ct, const float* chunk_states);
+struct BackwardRun {
+  BackwardOut out;
+  bool padding_ok = true;
+};
+// chunk_states: optional states entering every chunk (from a forward), passed to the kernel.
+BackwardRun run_backward(Kernel kernel, const Data& d, const Cotangents& ct, const RunOptions& opt = {},
+                         const float* chunk_states = nullptr);
+
+reference::Gradients oracle_backward(const Data& d, const Cotangents& ct);
+
+// ---- measures ----------------------------------------------------------------------------------
+
+// sqrt(sum (got - ref)^2 / sum ref^2); when ref is all zero, the absolute RMS norm of got.
+// Infinity when sizes differ or got has a non-finite value.
+double rel_rms(const std::vector<double>& ref, const std::vector<double>& got);
+double rel_rms(const std::vector<double>& ref, const std::vector<float>& got);
+bool all_finite(const std::vector<float>& x);
+bool all_finite(const std::vector<double>& x);
+std::vector<double> widen(const std::vector<float>& x);
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b);
+bool bitwise_equal(const Tensor& a, const Tensor& b);  // elements only
+
+// Tolerances of kernel outputs against the oracle (relative RMS), by the dtype a tensor is stored in
+// (tolerances.hpp).
+inline double forward_tolerance(DType stored) { return forward_tolerance(stored == DType::bf16); }
+
+// ---- judging a run against the oracle ---------------------------------------------------------
+
+// Forward: o, the final state and the per-chunk states (relative RMS; absent outputs are -1).
+struct ForwardErrors {
+  double o = -1, final_state = -1, chunk_states = -1;
+};
+ForwardErrors forward_errors(const reference::ForwardResult& ref, const ForwardOut& out);
+
+// Every gradient, its error against the oracle, the dtype it is stored in and its tolerance.
+// The measure is the relative RMS against the oracle rounded to fp32 (a value below fp32's range is
+// a target no kernel can reach), except for dA_log and ddt_bias: they are sums over every token of
+// terms that can cancel, so their RMS error is taken relative to the RMS of the sums of |term|.
+enum Grad { kDq, kDk, kDv, kDg, kDbeta, kDh0, kDALog, kDdtBias, kNumGrads };
+inline constexpr const char* kGradNames[kNumGrads] = {"dq",    "dk",  "dv",     "dg",
+                                                      "dbeta", "dh0", "dA_log", "ddt_bias"};
+double gradient_tolerance(Grad g, bool stored_bf16);
+struct GradientError {
+  Grad g;
+  double error;
+  bool finite, stored_bf16;
+  double tolerance() const { return gradient_tolerance(g, stored_bf16); }
+};
+// Only the gradients the problem has (dA_log and ddt_bias with a fused gate).
+std::vector<GradientError> gradient_errors(const Data& d, const reference::Gradients& ref,
+                                           const BackwardOut& out);
+
+}  // namespace kda::harness
