@@ -21,6 +21,12 @@
 #include <string>
 #include <vector>
 
+// The library is built with hidden visibility: only what the public headers declare (inside this
+// push / pop) is exported from a shared libkda.
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
 namespace kda {
 
 inline constexpr int64_t kMaxHeadDim = 256;   // largest K and V supported
@@ -262,3 +268,7 @@ void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, con
             const RunOptions& opt = {});
 
 }  // namespace kda
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif

@@ -7,6 +7,10 @@
 
 #include "kda/kda.hpp"
 
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)  // exported from a shared libkda (see kda.hpp)
+#endif
+
 namespace kda::reference {
 
 // Every tensor packed (contiguous) in float64, in the shapes of kda.hpp.
@@ -42,3 +46,7 @@ Gradients backward(const Problem& p, const Inputs& in, const std::vector<double>
                    const std::vector<double>& d_final_state);
 
 }  // namespace kda::reference
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
