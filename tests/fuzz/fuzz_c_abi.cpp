@@ -446,8 +446,10 @@ int run_one(const uint8_t* bytes, size_t size) {
   };
   p.batch =
       rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int64_t>(-2, 0) : fz.ConsumeIntegralInRange<int64_t>(1, 3);
-  p.seq_len = rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int64_t>(-2, 0)
-                              : fz.ConsumeIntegralInRange<int64_t>(1, 140);
+  // Up to 80 tokens (two chunks) usually, up to 200 now and then.
+  p.seq_len = rare(fz, 0.03f)  ? fz.ConsumeIntegralInRange<int64_t>(-2, 0)
+              : rare(fz, 0.1f) ? fz.ConsumeIntegralInRange<int64_t>(1, 200)
+                               : fz.ConsumeIntegralInRange<int64_t>(1, 80);
   p.heads =
       rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int64_t>(-1, 0) : fz.ConsumeIntegralInRange<int64_t>(1, 3);
   p.value_heads = p.heads * fz.ConsumeIntegralInRange<int64_t>(1, 2) + (rare(fz, 0.03f));
