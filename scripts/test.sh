@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Installs, builds and runs every test: the Release build's C++ suite and `kda check` (parity of every
-# path with the float64 oracle), the same suite built with AddressSanitizer and
-# UndefinedBehaviorSanitizer, then the Python package's pytest suite (torch layer, custom ops,
-# torch.compile, fla-core parity, the kernels hub folder, transformers' Kimi Linear) and its lint.
+# path with the float64 oracle) once per x86 SIMD target, the same suite built with AddressSanitizer
+# and UndefinedBehaviorSanitizer, the installed shared library and a find_package(kda) consumer, a
+# short fuzzing run of the C ABI, the aarch64 cross build with its parity suites per Arm target under
+# qemu, then the Python package's pytest suite (torch layer, custom ops, torch.compile, fla-core
+# parity, the kernels hub folder, transformers' Kimi Linear) and its lint.
 #
 #   KDA_BUILD_DIR       Release build directory (default build)
 #   KDA_ASAN_BUILD_DIR  sanitizer build directory (default build-asan)
 #   KDA_JOBS            parallel compile and test jobs (default 2)
 #   KDA_SKIP_ASAN       set to 1 to skip the sanitizer build
+#   KDA_SKIP_INSTALL    set to 1 to skip the shared-library install and consumer test
+#   KDA_SKIP_FUZZ       set to 1 to skip the fuzzing run; KDA_FUZZ_SECONDS its length (default 120)
+#   KDA_SKIP_ARM        set to 1 to skip the aarch64 cross build and emulated tests
 #   KDA_SKIP_PYTHON     set to 1 to skip the Python package and its tests
 #   KDA_VENV            the Python virtual environment (default .venv)
 set -euo pipefail
@@ -44,6 +49,19 @@ if [[ "${KDA_SKIP_ASAN:-0}" != 1 ]]; then
   ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \
     UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}" \
     ctest --test-dir "$asan_dir" --output-on-failure -j "$jobs"
+fi
+
+if [[ "${KDA_SKIP_INSTALL:-0}" != 1 ]]; then
+  bash scripts/test_install.sh
+fi
+
+if [[ "${KDA_SKIP_FUZZ:-0}" != 1 ]]; then
+  echo "== libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer: the C ABI"
+  bash scripts/fuzz.sh "${KDA_FUZZ_SECONDS:-120}"
+fi
+
+if [[ "${KDA_SKIP_ARM:-0}" != 1 ]]; then
+  bash scripts/test_arm.sh
 fi
 
 if [[ "${KDA_SKIP_PYTHON:-0}" != 1 ]]; then
