@@ -258,6 +258,20 @@ TEST_F(Errors, OutputViews) {
   o2 = out;
   o2.o.stride_h = 2;  // heads overlap by one element
   expect_forward_rejected("o", o2);
+  // Strides whose reach overflows int64 (found by fuzzing the C ABI: the overlap check's own
+  // arithmetic overflowed), on an input and on an output.
+  for (int64_t huge : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 1,
+                       std::numeric_limits<int64_t>::max() / 2 + 1}) {
+    o2 = out;
+    o2.o.stride_t = huge;
+    expect_forward_rejected("o", o2);
+    o2 = out;
+    o2.o.stride_b = huge;
+    expect_forward_rejected("o", o2);
+    ForwardInputs i2 = in;
+    i2.v.stride_t = huge;
+    expect_forward_rejected("v", i2);
+  }
 }
 
 TEST_F(Errors, GateParameters) {

@@ -64,7 +64,10 @@ void check_no_self_overlap(const std::string& arg, const Output& v, const Extent
                     ", h=" + std::to_string(v.stride_h) + ") make rows overlap; a [" + std::to_string(e.B) +
                     ", " + std::to_string(e.T) + ", " + std::to_string(e.heads) + ", " +
                     std::to_string(e.dim) + "] output needs non-overlapping rows");
-    span = stride * (extent - 1) + span;
+    // Found by fuzzing the C ABI: a stride near INT64_MAX overflowed this product (undefined behaviour).
+    int64_t reach = 0;
+    if (__builtin_mul_overflow(stride, extent - 1, &reach) || __builtin_add_overflow(reach, span, &span))
+      fail(arg, "strides reach beyond the address space");
   }
 }
 

@@ -267,7 +267,10 @@ void make_activation(FuzzedDataProvider& fz, Rng& rng, Activation& a, int64_t B,
   }
   a.addressable = !any_negative &&
                   last * static_cast<__int128>(dtype_bytes(a.dtype)) <= std::numeric_limits<int64_t>::max();
-  a.backed = !any_negative && last <= kMaxElements;
+  // Backed only when both the span and the element count are small (overlapping views made of small
+  // strides and a huge dim have a small span and a huge count; filling them took seconds).
+  const __int128 count = a.nonempty() ? static_cast<__int128>(a.B) * a.T * a.heads * a.dim : 0;
+  a.backed = !any_negative && last <= kMaxElements && count <= kMaxElements;
   const size_t elems = a.backed ? static_cast<size_t>(last) : 1;
   const size_t align = dtype_bytes(a.dtype) * static_cast<size_t>(fz.ConsumeIntegralInRange<int>(0, 15));
   a.buf = std::make_unique<Buffer>(std::max<size_t>(elems, 1) * dtype_bytes(a.dtype), align);
@@ -695,7 +698,12 @@ int run_one(const uint8_t* bytes, size_t size) {
 
   ++(status == KDA_OK ? g_stats.ok : g_stats.rejected)[static_cast<int>(call)];
   static const bool verbose = std::getenv("KDA_FUZZ_VERBOSE") != nullptr;
-  if (verbose) std::fprintf(stderr, "%s: %s\n", Stats::kCalls[static_cast<int>(call)], kda_last_error());
+  if (verbose)
+    std::fprintf(stderr, "%s B=%lld T=%lld H=%lld HV=%lld K=%lld V=%lld cu=%zu: %s\n",
+                 Stats::kCalls[static_cast<int>(call)], static_cast<long long>(p.batch),
+                 static_cast<long long>(p.seq_len), static_cast<long long>(p.heads),
+                 static_cast<long long>(p.value_heads), static_cast<long long>(p.key_dim),
+                 static_cast<long long>(p.value_dim), cu.size(), kda_last_error());
 
   // ---- what must hold ------------------------------------------------------------------------------
   if (status != KDA_OK && status != KDA_ERROR_INVALID_ARGUMENT && status != KDA_ERROR_OUT_OF_MEMORY &&
