@@ -37,7 +37,7 @@ echo "== Release: kda check"
 # target gives each one's worst errors.
 for target in $("$build_dir/kda" targets); do
   echo "== Release: kda check on SIMD target $target"
-  KDA_CPU_TARGET="$target" "$build_dir/kda" check | tail -n +6
+  KDA_CPU_TARGET="$target" "$build_dir/kda" check | sed -n "/^SIMD target:/,\$p"
 done
 
 if [[ "${KDA_SKIP_ASAN:-0}" != 1 ]]; then
