@@ -178,8 +178,9 @@ struct ForwardOut {
   std::vector<float> final_state, chunk_states;
 };
 // Output buffers of a forward call, every byte of o 0xff and the states NaN (so an element a kernel
-// forgets is caught by finiteness); the states only when asked for. forward_outputs() gives the views.
-ForwardOut forward_buffers(const Data& d, bool want_states);
+// forgets is caught by finiteness); each state output only when asked for (the chunk states of a long
+// sequence are large: 268 MB at T=8192 H=32 K=V=128). forward_outputs() gives the views.
+ForwardOut forward_buffers(const Data& d, bool final_state, bool chunk_states);
 ForwardOutputs forward_outputs(ForwardOut& out);
 
 // Runs a kernel. Outputs start as NaN, so an element the kernel forgets is caught by finiteness.
@@ -236,9 +237,10 @@ inline double forward_tolerance(DType stored) { return forward_tolerance(stored 
 
 // ---- judging a run against the oracle ---------------------------------------------------------
 
-// Forward: o, the final state and the per-chunk states (relative RMS; absent outputs are -1).
+// Forward: o, the final state and the per-chunk states (relative RMS; the states when produced).
 struct ForwardErrors {
-  double o = -1, final_state = -1, chunk_states = -1;
+  double o = 0;
+  std::optional<double> final_state, chunk_states;
 };
 ForwardErrors forward_errors(const reference::ForwardResult& ref, const ForwardOut& out);
 

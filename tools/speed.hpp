@@ -81,9 +81,8 @@ inline SpeedResult measure_speed(const kda::harness::Data& d, const kda::harness
   const auto forward = [&](const std::string& label, kda::ForwardKernel kernel, bool recurrent,
                            std::optional<double>& result, std::string& error) {
     try {
-      hs::ForwardOut fb = hs::forward_buffers(d, /*want_states=*/true);
-      kda::ForwardOutputs out = hs::forward_outputs(fb);
-      out.chunk_states = nullptr;  // prefill keeps only the final state
+      hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/false);  // prefill
+      const kda::ForwardOutputs out = hs::forward_outputs(fb);
       kda::RunOptions o = opt;
       o.forward_kernel = kernel;
       result = median(time_runs(label + tag, reps, [&] {
@@ -101,7 +100,7 @@ inline SpeedResult measure_speed(const kda::harness::Data& d, const kda::harness
   forward("recurrent_forward", kda::ForwardKernel::automatic, true, r.recurrent_fwd, r.recurrent_fwd_error);
   if (ct != nullptr) {
     try {
-      hs::ForwardOut fb = hs::forward_buffers(d, /*want_states=*/true);
+      hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/true);
       hs::BackwardOut bb = hs::backward_buffers(d);
       const kda::ForwardOutputs fout = hs::forward_outputs(fb);
       const kda::BackwardInputs bin = hs::backward_inputs(d, *ct, fb.chunk_states.data());
