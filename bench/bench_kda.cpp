@@ -1,10 +1,10 @@
-// kda_bench: KDA CPU speed at a Kimi Linear layer's shape, next to this machine's single-precision
-// matmul rate (OpenBLAS sgemm) at the same thread count, in one table.
+// kda_bench: KDA CPU speed at Kimi Linear layer shapes, next to this machine's single-precision
+// matmul rate (OpenBLAS sgemm) measured in the same run at the same thread count.
 //
-//   (a) sgemm 2048^3 GFLOP/s on 1 and 2 threads: the yardstick
-//   (b) chunked forward, (c) recurrent forward: tokens/s and GFLOP/s
-//   (d) chunked forward + backward: tokens/s, backward / forward time
-//   (e) each path's GFLOP/s as a share of sgemm's, chunked / recurrent speed
+// Per shape and thread count: the prefill forward (chunk_forward, what chunk_kda runs), the chunked
+// and recurrent kernels each, the bf16-input prefill, and a training step (forward keeping chunk
+// states + chunk_backward), each as a fraction of sgemm's rate and with the second thread's gain next
+// to sgemm's own; then the per-phase breakdown of every kernel (kda::profile), on the most threads.
 //
 // Debian's OpenBLAS 0.3.21 does not recognise recent Xeons and falls back to kernels ~7x slower,
 // which would make the yardstick meaningless. It reads OPENBLAS_CORETYPE when the library loads, so
@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "cli_args.hpp"
 #include "harness.hpp"
 #include "kda/kda.hpp"
+#include "kda/profile.hpp"
 #include "speed.hpp"
 
 #ifdef KDA_BENCH_HAVE_OPENBLAS
@@ -33,37 +35,56 @@
 
 namespace {
 
+namespace hs = kda::harness;
+
 constexpr const char* kUsage = R"(usage: kda_bench [options]
 
-KDA speed (chunked forward, recurrent forward, chunked forward+backward) next to this machine's
-OpenBLAS sgemm rate at the same thread count.
+KDA speed (prefill forward, chunked and recurrent kernels, bf16 prefill, training forward+backward)
+next to this machine's OpenBLAS sgemm rate at the same thread count, and where the time goes.
 
-  --B N --T N --H N --K N --V N   shape (default B=1 T=8192 H=32 K=V=128, fp32)
+  --B N --T N --H N --HV N --K N --V N
+                   one shape (default: the issue-9 set: B=1 T=8192 H=32 K=V=128; T=4096 H=16;
+                   K=V=64; HV=2H; all fp32 inputs plus a bf16 prefill)
   --threads LIST   thread counts, comma-separated (default 1,2)
   --reps N         timed runs per figure, the median is shown (default 3, after one warm-up)
   --sgemm-n N      sgemm size N x N x N (default 2048)
-  --no-backward    skip the forward+backward timing
+  --no-backward    skip the training (forward+backward) timing
+  --no-profile     skip the per-phase breakdown
+  --baseline-fb X  forward+backward tokens/s to compare against (default: the figure measured
+                   before issue 9's work on the machine it was filed for, see kBaselineTrain)
   --help           this text
 )";
 
-// Targets shown next to the figures.
-constexpr double kChunkShareTarget = 0.40;      // chunked GFLOP/s >= 40% of sgemm's, on 2 threads
-constexpr double kRecurrentShareTarget = 0.15;  // recurrent >= 15%, on 2 threads
+// Targets (issue 9), on kShareTargetThreads threads.
+constexpr double kPrefillShareTarget = 0.70;  // prefill GFLOP/s (recurrent count) >= 70% of sgemm
+constexpr double kChunkedShareTarget = 0.60;  // chunked kernel GFLOP/s (its own count) >= 60% of sgemm
+constexpr double kBackwardOverForward = 2.0;  // backward time <= 2.0x the training forward's
+constexpr double kTrainSpeedup = 1.5;         // forward+backward tokens/s >= 1.5x the baseline
 constexpr int kShareTargetThreads = 2;
-constexpr double kChunkOverRecurrentTarget = 2.0;   // chunked tokens/s >= 2x recurrent's
-constexpr double kBackwardOverForwardTarget = 2.5;  // backward time <= 2.5x forward time
+// Forward+backward tokens/s at B=1 T=8192 H=32 K=V=128 on 2 threads before issue 9's work (commit
+// 656b967, 2 AVX2 cores of an AMD EPYC: the CI machine class). Compared only at that shape.
+constexpr double kBaselineTrain = 4117;
 
 struct Options {
-  kda::harness::Case shape = [] {
-    kda::harness::Case c;
-    c.B = 1, c.T = 8192, c.H = c.HV = 32, c.K = c.V = 128;
-    return c;
-  }();
+  std::vector<hs::Case> shapes;
   std::vector<int> threads{1, 2};
   int reps = 3;
   int sgemm_n = 2048;
   bool backward = true;
+  bool profile = true;
+  double baseline_train = kBaselineTrain;
 };
+
+hs::Case make_shape(int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V) {
+  hs::Case c;
+  c.B = 1, c.T = T, c.H = H, c.HV = HV, c.K = K, c.V = V;
+  return c;
+}
+
+std::vector<hs::Case> default_shapes() {
+  return {make_shape(8192, 32, 32, 128, 128), make_shape(4096, 16, 16, 128, 128),
+          make_shape(8192, 32, 32, 64, 64), make_shape(8192, 16, 32, 128, 128)};
+}
 
 [[noreturn]] void usage_error(const std::string& message) { kda_demo::usage_error("kda_bench", message); }
 
@@ -73,6 +94,8 @@ int64_t parse_positive(const std::string& flag, const char* value) {
 
 Options parse(int argc, char** argv) {
   Options o;
+  hs::Case one = make_shape(8192, 32, 32, 128, 128);
+  bool shape_given = false, hv_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -83,22 +106,33 @@ Options parse(int argc, char** argv) {
       o.backward = false;
       continue;
     }
+    if (flag == "--no-profile") {
+      o.profile = false;
+      continue;
+    }
     if (i + 1 >= argc) usage_error("missing value after " + flag);
     const char* value = argv[++i];
+    const bool is_shape =
+        flag == "--B" || flag == "--T" || flag == "--H" || flag == "--HV" || flag == "--K" || flag == "--V";
+    shape_given = shape_given || is_shape;
     if (flag == "--B")
-      o.shape.B = parse_positive(flag, value);
+      one.B = parse_positive(flag, value);
     else if (flag == "--T")
-      o.shape.T = parse_positive(flag, value);
+      one.T = parse_positive(flag, value);
     else if (flag == "--H")
-      o.shape.H = o.shape.HV = parse_positive(flag, value);
+      one.H = parse_positive(flag, value);
+    else if (flag == "--HV")
+      one.HV = parse_positive(flag, value), hv_given = true;
     else if (flag == "--K")
-      o.shape.K = parse_positive(flag, value);
+      one.K = parse_positive(flag, value);
     else if (flag == "--V")
-      o.shape.V = parse_positive(flag, value);
+      one.V = parse_positive(flag, value);
     else if (flag == "--reps")
       o.reps = static_cast<int>(parse_positive(flag, value));
     else if (flag == "--sgemm-n")
       o.sgemm_n = static_cast<int>(parse_positive(flag, value));
+    else if (flag == "--baseline-fb")
+      o.baseline_train = static_cast<double>(parse_positive(flag, value));
     else if (flag == "--threads") {
       o.threads = kda_demo::parse_int_list(value);
       if (o.threads.empty()) usage_error("--threads expects positive integers separated by commas");
@@ -106,6 +140,9 @@ Options parse(int argc, char** argv) {
       usage_error("unknown option '" + flag + "'");
     }
   }
+  if (!hv_given) one.HV = one.H;
+  if (one.HV % one.H != 0) usage_error("--HV must be a multiple of --H");
+  o.shapes = shape_given ? std::vector<hs::Case>{one} : default_shapes();
   return o;
 }
 
@@ -151,7 +188,7 @@ std::optional<double> sgemm_gflops(int n, int threads, int reps) {
   openblas_set_num_threads(threads);
   const size_t count = static_cast<size_t>(n) * n;
   std::vector<float> a(count), b(count), c(count);
-  kda::harness::Rng rng(42);
+  hs::Rng rng(42);
   for (size_t i = 0; i < count; ++i) {
     a[i] = static_cast<float>(rng.uniform() - 0.5);
     b[i] = static_cast<float>(rng.uniform() - 0.5);
@@ -177,9 +214,9 @@ std::string fmt(const char* format, double x) {
 std::string verdict(bool met) { return met ? "met" : "MISSED"; }
 
 void row(int threads, const std::string& figure, const std::string& value, const std::string& gflops,
-         const std::string& share, const std::string& target) {
-  std::printf("%7d  %-24s %16s %9s %8s  %s\n", threads, figure.c_str(), value.c_str(), gflops.c_str(),
-              share.c_str(), target.c_str());
+         const std::string& share, const std::string& gain, const std::string& target) {
+  std::printf("%7d  %-26s %17s %8s %7s %7s  %s\n", threads, figure.c_str(), value.c_str(), gflops.c_str(),
+              share.c_str(), gain.c_str(), target.c_str());
 }
 
 std::string short_reason(const std::string& what) {
@@ -187,29 +224,196 @@ std::string short_reason(const std::string& what) {
   return s.size() > 70 ? s.substr(0, 67) + "..." : s;
 }
 
-int run(const Options& o, const std::string& coretype_note) {
-  const kda::harness::Case& s = o.shape;
+// One figure's medians per thread count (nullopt: the path threw).
+struct Series {
+  std::vector<std::optional<double>> seconds;
+  std::string error;
+};
 
+bool is_baseline_shape(const hs::Case& s) {
+  return s.B == 1 && s.T == 8192 && s.H == 32 && s.HV == 32 && s.K == 128 && s.V == 128;
+}
+
+// The per-phase breakdown of every kernel that ran since the last kda::profile::reset.
+void print_profile(const std::string& title, double token_heads) {
+  const std::vector<kda::profile::PhaseTime> phases = kda::profile::read();
+  std::map<std::string, double> total;
+  for (const auto& p : phases) total[p.kernel] += p.seconds;
+  std::printf("\n  per-phase time, %s (thread-seconds summed over threads; ns per token and head)\n",
+              title.c_str());
+  std::string kernel;
+  for (const auto& p : phases) {
+    if (p.kernel != kernel) {
+      kernel = p.kernel;
+      std::printf("  %-20s %-30s %9.1f ms %6s %8.0f ns\n", kernel.c_str(), "(all phases)",
+                  total[kernel] * 1e3, "100%", total[kernel] / token_heads * 1e9);
+    }
+    std::printf("  %-20s %-30s %9.1f ms %5.1f%% %8.1f ns\n", "", p.phase.c_str(), p.seconds * 1e3,
+                100.0 * p.seconds / total[kernel], p.seconds / token_heads * 1e9);
+  }
+}
+
+int run_shape(const Options& o, const hs::Case& s, const std::vector<std::optional<double>>& sgemm) {
+  std::printf("\n== %s ==\n", s.shape().c_str());
+  std::fflush(stdout);
+  std::fprintf(stderr, "%s: generating inputs...\n", s.shape().c_str());
+  hs::Case c = s;  // mild log-decay gates, a random initial state
+  c.initial_state = true;
+  hs::Data d, d16;
+  hs::make_data(c, d);
+  c.dtype = kda::DType::bf16;
+  hs::make_data(c, d16);
+  hs::Cotangents ct;
+  if (o.backward) hs::make_cotangents(d, /*with_final_state=*/true, 2, ct);
+  const double tokens = static_cast<double>(s.B * s.T);
+  const double token_heads = tokens * static_cast<double>(s.HV);
+  const double chunk_fph = kda_demo::chunk_flops_per_token_head(s.K, s.V);
+  const double rec_fph = kda_demo::recurrent_flops_per_token_head(s.K, s.V);
+
+  const size_t nt = o.threads.size();
+  auto forward_series = [&](const hs::Data& data, kda_demo::ForwardPath path, const std::string& label) {
+    Series r;
+    for (int t : o.threads) {
+      try {
+        r.seconds.push_back(kda_demo::time_forward(data, path, t, o.reps, label));
+      } catch (const std::exception& e) {
+        r.seconds.push_back(std::nullopt);
+        r.error = e.what();
+      }
+    }
+    return r;
+  };
+  const Series prefill = forward_series(d, kda_demo::ForwardPath::prefill, "prefill");
+  const Series chunked = forward_series(d, kda_demo::ForwardPath::chunked_kernel, "chunked kernel");
+  const Series recurrent = forward_series(d, kda_demo::ForwardPath::recurrent_kernel, "recurrent kernel");
+  const Series prefill16 = forward_series(d16, kda_demo::ForwardPath::prefill, "bf16 prefill");
+  Series train_fwd, train_bwd;
+  if (o.backward) {
+    for (int t : o.threads) {
+      try {
+        const auto [f, b] = kda_demo::time_training(d, ct, t, o.reps, "forward+backward");
+        train_fwd.seconds.push_back(f);
+        train_bwd.seconds.push_back(b);
+      } catch (const std::exception& e) {
+        train_fwd.seconds.push_back(std::nullopt);
+        train_bwd.seconds.push_back(std::nullopt);
+        train_bwd.error = e.what();
+      }
+    }
+  }
+
+  // Second-thread gain: a figure's speed on this thread count over its speed on the first one.
+  auto gain = [&](const std::vector<std::optional<double>>& sec, size_t i) -> std::string {
+    if (i == 0 || !sec[0] || !sec[i]) return "";
+    return fmt("%.2fx", *sec[0] / *sec[i]);
+  };
+  std::vector<std::optional<double>> sgemm_seconds;  // 1 / rate, so that gain() applies to it too
+  for (const auto& g : sgemm) sgemm_seconds.push_back(g ? std::optional<double>(1.0 / *g) : std::nullopt);
+
+  std::printf("%7s  %-26s %17s %8s %7s %7s  %s\n", "threads", "figure", "value", "GFLOP/s", "%sgemm", "gain",
+              "target (on " + std::to_string(kShareTargetThreads) + " threads)");
+  for (size_t i = 0; i < nt; ++i) {
+    const int t = o.threads[i];
+    const std::optional<double> gemm = sgemm[i];
+    const bool judged = t == kShareTargetThreads;
+    row(t, "sgemm " + std::to_string(o.sgemm_n) + "^3", "", gemm ? fmt("%.1f", *gemm) : "n/a",
+        gemm ? "100%" : "", gain(sgemm_seconds, i), "");
+    auto path_row = [&](const std::string& name, const Series& series, double fph,
+                        std::optional<double> target) {
+      const std::optional<double> sec = series.seconds[i];
+      if (!sec) {
+        row(t, name, "n/a", "n/a", "n/a", "", short_reason(series.error));
+        return;
+      }
+      const double gf = token_heads * fph / *sec / 1e9;
+      std::string verdict_text;
+      if (target) {
+        verdict_text = fmt(">= %.0f%% of sgemm", *target * 100);
+        if (judged && gemm) verdict_text += ": " + verdict(gf / *gemm >= *target);
+      }
+      row(t, name, fmt("%.1f ms", *sec * 1e3) + fmt(" %6.0f tok/s", tokens / *sec), fmt("%.1f", gf),
+          gemm ? fmt("%.0f%%", 100.0 * gf / *gemm) : "n/a", gain(series.seconds, i), verdict_text);
+    };
+    // The prefill is counted in the recurrent form's FLOPs: the work a token needs.
+    path_row("prefill (chunk_forward)", prefill, rec_fph, kPrefillShareTarget);
+    path_row("  chunked kernel", chunked, chunk_fph, kChunkedShareTarget);
+    path_row("  recurrent kernel", recurrent, rec_fph, std::nullopt);
+    path_row("prefill, bf16 inputs", prefill16, rec_fph, std::nullopt);
+    if (prefill.seconds[i] && prefill16.seconds[i])
+      row(t, "  bf16 / fp32 speed", fmt("%.2fx", *prefill.seconds[i] / *prefill16.seconds[i]), "", "", "",
+          ">= 1x" +
+              (judged ? std::string(": ") + verdict(*prefill.seconds[i] >= *prefill16.seconds[i]) : ""));
+    if (o.backward) {
+      if (train_fwd.seconds[i] && train_bwd.seconds[i]) {
+        const double f = *train_fwd.seconds[i], b = *train_bwd.seconds[i];
+        std::vector<std::optional<double>> total;
+        for (size_t j = 0; j < nt; ++j)
+          total.push_back(train_fwd.seconds[j] && train_bwd.seconds[j]
+                              ? std::optional<double>(*train_fwd.seconds[j] + *train_bwd.seconds[j])
+                              : std::nullopt);
+        std::string target;
+        if (is_baseline_shape(s) && o.baseline_train > 0) {
+          const double speedup = tokens / (f + b) / o.baseline_train;
+          target = fmt("%.2fx baseline", speedup) + fmt(" (>= %.1fx", kTrainSpeedup) + ")";
+          if (judged) target += ": " + verdict(speedup >= kTrainSpeedup);
+        }
+        row(t, "forward+backward", fmt("%.1f ms", (f + b) * 1e3) + fmt(" %6.0f tok/s", tokens / (f + b)), "",
+            "", gain(total, i), target);
+        row(t, "  training forward", fmt("%.1f ms", f * 1e3), "", "", gain(train_fwd.seconds, i), "");
+        row(t, "  backward", fmt("%.1f ms", b * 1e3), "", "", gain(train_bwd.seconds, i), "");
+        row(t, "  backward / forward", fmt("%.2fx", b / f), "", "", "",
+            fmt("<= %.1fx", kBackwardOverForward) +
+                (judged ? ": " + verdict(b / f <= kBackwardOverForward) : ""));
+      } else {
+        row(t, "forward+backward", "n/a", "", "", "", short_reason(train_bwd.error));
+      }
+    }
+    std::fflush(stdout);
+  }
+
+  if (o.profile) {
+    // One profiled run of each path on the most threads; the medians above ran with the timers off.
+    const int t = *std::max_element(o.threads.begin(), o.threads.end());
+    kda::profile::reset();
+    kda::profile::set_enabled(true);
+    try {
+      kda_demo::time_forward(d, kda_demo::ForwardPath::chunked_kernel, t, 1, "");
+      kda_demo::time_forward(d, kda_demo::ForwardPath::recurrent_kernel, t, 1, "");
+      if (o.backward) kda_demo::time_training(d, ct, t, 1, "");
+    } catch (const std::exception&) {
+      // the rows above already say why
+    }
+    kda::profile::set_enabled(false);
+    // time_forward and time_training ran each path twice (warm-up and one rep): halve.
+    print_profile(std::to_string(t) + (t == 1 ? " thread" : " threads") +
+                      ", one call of each kernel (the chunked forward, the recurrent forward and the "
+                      "training step's forward and backward)",
+                  2.0 * token_heads);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int run(const Options& o, const std::string& coretype_note) {
   std::printf("kda_bench: KDA speed next to this machine's sgemm rate\n");
-  std::printf("CPU: %s, %u hardware threads; kda kernels dispatch to %s\n", cpu_model().c_str(),
-              std::thread::hardware_concurrency(), kda::simd_target());
+  std::printf("CPU: %s, %u hardware threads; kda kernels dispatch to %s (%d-bit vectors)\n",
+              cpu_model().c_str(), std::thread::hardware_concurrency(), kda::simd_target(),
+              kda::simd_vector_bits());
 #ifdef KDA_BENCH_HAVE_OPENBLAS
   std::printf("OpenBLAS: core %s; %s\n          config: %s\n", openblas_get_corename(), coretype_note.c_str(),
               openblas_get_config());
 #else
   std::printf("OpenBLAS: not available at build time (%s); sgemm columns read n/a\n", coretype_note.c_str());
 #endif
-  std::printf("shape: %s fp32, log-decay gate (mild); median of %d runs after a warm-up\n", s.shape().c_str(),
-              o.reps);
-  const double chunk_fph = kda_demo::chunk_flops_per_token_head(s.K, s.V);
-  const double rec_fph = kda_demo::recurrent_flops_per_token_head(s.K, s.V);
-  std::printf("nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k\n", chunk_fph / 1e3,
-              rec_fph / 1e3);
   std::printf(
-      "targets: chunked >= %.0f%% and recurrent >= %.0f%% of sgemm on %d threads, chunked >= %.0fx "
-      "recurrent, backward <= %.1fx forward\n\n",
-      kChunkShareTarget * 100, kRecurrentShareTarget * 100, kShareTargetThreads, kChunkOverRecurrentTarget,
-      kBackwardOverForwardTarget);
+      "inputs: fp32 (and bf16 q, k, v, g, beta for the bf16 row), log-decay gate (mild), a random\n"
+      "initial state; median of %d runs after a warm-up\n",
+      o.reps);
+  std::printf(
+      "FLOPs per token and head: recurrent 7 K V (114.7 k at K = V = 128), chunked\n"
+      "6 K V + 3 C (K + V) + 5/6 C^2 (150.9 k); prefill and the recurrent kernel are counted in the\n"
+      "recurrent form's FLOPs, the chunked kernel in its own\n");
+  std::printf("gain: speed on this thread count over speed on the first\n");
   std::fflush(stdout);
 
   // sgemm first, for every thread count: OpenBLAS' worker threads then go idle before KDA runs.
@@ -219,60 +423,7 @@ int run(const Options& o, const std::string& coretype_note) {
     sgemm.push_back(sgemm_gflops(o.sgemm_n, t, std::max(o.reps, 5)));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-
-  std::fprintf(stderr, "generating inputs...\n");
-  kda::harness::Case c = s;  // mild log-decay gates, fp32, a random initial state
-  c.initial_state = true;
-  kda::harness::Data d;
-  kda::harness::make_data(c, d);
-  kda::harness::Cotangents ct;
-  if (o.backward) kda::harness::make_cotangents(d, /*with_final_state=*/true, 2, ct);
-  const double tokens = static_cast<double>(s.B * s.T);
-  const double heads = static_cast<double>(s.HV);
-
-  std::printf("%7s  %-24s %16s %9s %8s  %s\n", "threads", "figure", "value", "GFLOP/s", "% sgemm", "target");
-  for (size_t i = 0; i < o.threads.size(); ++i) {
-    const int t = o.threads[i];
-    const std::optional<double> gemm = sgemm[i];
-    const bool share_applies = t == kShareTargetThreads;
-    row(t, "sgemm " + std::to_string(o.sgemm_n) + "^3", "", gemm ? fmt("%.1f", *gemm) : "n/a",
-        gemm ? "100%" : "", "");
-    const kda_demo::SpeedResult r = kda_demo::measure_speed(d, o.backward ? &ct : nullptr, t, o.reps);
-
-    auto path_row = [&](const char* name, std::optional<double> sec, const std::string& error, double fph,
-                        double target_share) {
-      if (!sec) {
-        row(t, name, "n/a", "n/a", "n/a", short_reason(error));
-        return;
-      }
-      const double tps = tokens / *sec;
-      const double gf = tps * heads * fph / 1e9;
-      std::string share = gemm ? fmt("%.0f%%", 100.0 * gf / *gemm) : "n/a";
-      std::string target =
-          fmt(">= %.0f%%", target_share * 100) + " on " + std::to_string(kShareTargetThreads) + " threads";
-      if (share_applies && gemm) target += ": " + verdict(gf / *gemm >= target_share);
-      row(t, name, fmt("%.0f tok/s", tps), fmt("%.1f", gf), share, target);
-    };
-    path_row("chunked kernel", r.chunk_fwd, r.chunk_fwd_error, chunk_fph, kChunkShareTarget);
-    path_row("recurrent_forward", r.recurrent_fwd, r.recurrent_fwd_error, rec_fph, kRecurrentShareTarget);
-    if (r.chunk_fwd && r.recurrent_fwd) {
-      const double ratio = *r.recurrent_fwd / *r.chunk_fwd;
-      row(t, "chunked / recurrent", fmt("%.2fx", ratio), "", "",
-          fmt(">= %.0fx: ", kChunkOverRecurrentTarget) + verdict(ratio >= kChunkOverRecurrentTarget));
-    }
-    if (o.backward) {
-      if (r.train_fwd && r.train_bwd) {
-        const double total = *r.train_fwd + *r.train_bwd;
-        const double ratio = *r.train_bwd / *r.train_fwd;
-        row(t, "chunk forward+backward", fmt("%.0f tok/s", tokens / total), "", "", "");
-        row(t, "backward / forward", fmt("%.2fx", ratio), "", "",
-            fmt("<= %.1fx: ", kBackwardOverForwardTarget) + verdict(ratio <= kBackwardOverForwardTarget));
-      } else {
-        row(t, "chunk forward+backward", "n/a", "", "", short_reason(r.backward_error));
-      }
-    }
-    std::fflush(stdout);
-  }
+  for (const hs::Case& s : o.shapes) run_shape(o, s, sgemm);
   return 0;
 }
 

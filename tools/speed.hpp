@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness.hpp"
@@ -69,56 +70,79 @@ struct SpeedResult {
   std::string prefill_fwd_error, chunk_fwd_error, recurrent_fwd_error, backward_error;
 };
 
+// Which forward a timing runs.
+enum class ForwardPath { prefill, chunked_kernel, recurrent_kernel };
+
+inline std::string threads_tag(int threads) {
+  return " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
+}
+
+// Median seconds of one forward path without chunk states (a prefill); throws what the call throws.
+inline double time_forward(const kda::harness::Data& d, ForwardPath path, int threads, int reps,
+                           const std::string& label) {
+  namespace hs = kda::harness;
+  const kda::Problem p = d.problem();
+  const kda::ForwardInputs in = d.inputs();
+  hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/false);
+  const kda::ForwardOutputs out = hs::forward_outputs(fb);
+  kda::RunOptions o{threads};
+  if (path == ForwardPath::chunked_kernel) o.forward_kernel = kda::ForwardKernel::chunked;
+  return median(time_runs(label.empty() ? "" : label + threads_tag(threads), reps, [&] {
+    if (path == ForwardPath::recurrent_kernel)
+      kda::recurrent_forward(p, in, out, o);
+    else
+      kda::chunk_forward(p, in, out, o);
+  }));
+}
+
+// Median seconds of a training step's forward (keeping chunk_states) and backward, timed separately
+// within each rep as a training step runs them.
+inline std::pair<double, double> time_training(const kda::harness::Data& d,
+                                               const kda::harness::Cotangents& ct, int threads, int reps,
+                                               const std::string& label) {
+  namespace hs = kda::harness;
+  const kda::Problem p = d.problem();
+  const kda::ForwardInputs in = d.inputs();
+  const kda::RunOptions opt{threads};
+  hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/true);
+  hs::BackwardOut bb = hs::backward_buffers(d);
+  const kda::ForwardOutputs fout = hs::forward_outputs(fb);
+  const kda::BackwardInputs bin = hs::backward_inputs(d, ct, fb.chunk_states.data());
+  const kda::BackwardOutputs bout = hs::backward_outputs(bb);
+  std::vector<double> fwd, bwd;
+  time_runs(label.empty() ? "" : label + threads_tag(threads), reps, [&] {
+    auto t0 = std::chrono::steady_clock::now();
+    kda::chunk_forward(p, in, fout, opt);
+    fwd.push_back(seconds_since(t0));
+    t0 = std::chrono::steady_clock::now();
+    kda::chunk_backward(p, bin, bout, opt);
+    bwd.push_back(seconds_since(t0));
+  });
+  fwd.erase(fwd.begin());  // the warm-up
+  bwd.erase(bwd.begin());
+  return {median(fwd), median(bwd)};
+}
+
 // ct: the backward's cotangents, or null to time the forward paths only.
 inline SpeedResult measure_speed(const kda::harness::Data& d, const kda::harness::Cotangents* ct, int threads,
                                  int reps) {
-  namespace hs = kda::harness;
   SpeedResult r;
-  const kda::RunOptions opt{threads};
-  const std::string tag = " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
-  const kda::Problem p = d.problem();
-  const kda::ForwardInputs in = d.inputs();
-  const auto forward = [&](const std::string& label, kda::ForwardKernel kernel, bool recurrent,
-                           std::optional<double>& result, std::string& error) {
+  const auto forward = [&](const std::string& label, ForwardPath path, std::optional<double>& result,
+                           std::string& error) {
     try {
-      hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/false);  // prefill
-      const kda::ForwardOutputs out = hs::forward_outputs(fb);
-      kda::RunOptions o = opt;
-      o.forward_kernel = kernel;
-      result = median(time_runs(label + tag, reps, [&] {
-        if (recurrent)
-          kda::recurrent_forward(p, in, out, o);
-        else
-          kda::chunk_forward(p, in, out, o);
-      }));
+      result = time_forward(d, path, threads, reps, label);
     } catch (const std::exception& e) {
       error = e.what();
     }
   };
-  forward("chunk_forward", kda::ForwardKernel::automatic, false, r.prefill_fwd, r.prefill_fwd_error);
-  forward("chunked kernel", kda::ForwardKernel::chunked, false, r.chunk_fwd, r.chunk_fwd_error);
-  forward("recurrent_forward", kda::ForwardKernel::automatic, true, r.recurrent_fwd, r.recurrent_fwd_error);
+  forward("chunk_forward", ForwardPath::prefill, r.prefill_fwd, r.prefill_fwd_error);
+  forward("chunked kernel", ForwardPath::chunked_kernel, r.chunk_fwd, r.chunk_fwd_error);
+  forward("recurrent_forward", ForwardPath::recurrent_kernel, r.recurrent_fwd, r.recurrent_fwd_error);
   if (ct != nullptr) {
     try {
-      hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/true);
-      hs::BackwardOut bb = hs::backward_buffers(d);
-      const kda::ForwardOutputs fout = hs::forward_outputs(fb);
-      const kda::BackwardInputs bin = hs::backward_inputs(d, *ct, fb.chunk_states.data());
-      const kda::BackwardOutputs bout = hs::backward_outputs(bb);
-      // Forward and backward timed separately within each rep, as a training step runs them.
-      std::vector<double> fwd, bwd;
-      time_runs("chunk forward+backward" + tag, reps, [&] {
-        auto t0 = std::chrono::steady_clock::now();
-        kda::chunk_forward(p, in, fout, opt);
-        fwd.push_back(seconds_since(t0));
-        t0 = std::chrono::steady_clock::now();
-        kda::chunk_backward(p, bin, bout, opt);
-        bwd.push_back(seconds_since(t0));
-      });
-      fwd.erase(fwd.begin());  // the warm-up
-      bwd.erase(bwd.begin());
-      r.train_fwd = median(fwd);
-      r.train_bwd = median(bwd);
+      const auto [fwd, bwd] = time_training(d, *ct, threads, reps, "chunk forward+backward");
+      r.train_fwd = fwd;
+      r.train_bwd = bwd;
     } catch (const std::exception& e) {
       r.backward_error = e.what();
     }

@@ -106,17 +106,19 @@ struct BackwardWork {
 
 // States entering every chunk of (sequence, hv), by a forward pass that skips the outputs.
 void recompute_states(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                      int64_t n_seq, int64_t hv, float* states, BackwardWork& bw) {
+                      int64_t n_seq, int64_t hv, float* states, BackwardWork& bw, core::PhaseClock& clock) {
+  const core::PhaseClock::Redirect as_recompute(clock, core::Phase::states_recompute);
   ChunkWork& w = bw.w;
   float* S = states;
   load_state(plan, plan.initial[n_seq], hv, S, w.Vp);
   for (int64_t t0 = 0; t0 + C < seq.length; t0 += C) {
-    prepare_chunk(plan, in, seq, hv, t0, C, w, ChunkNeeds::state_only);
+    prepare_chunk(plan, in, seq, hv, t0, C, w, clock, ChunkNeeds::state_only);
     make_vn_in_place(w, C, S);
     float* next = S + w.K * w.Vp;
     advance_state(w, C, S, next, w.U(), w.ldx);
     S = next;
   }
+  clock.lap(core::Phase::states_recompute);
 }
 
 // Backward of one chunk [t0, t0 + n) of value head hv. S: state entering it; dS: gradient of the state
@@ -124,14 +126,14 @@ void recompute_states(const core::Plan& plan, const ForwardInputs& in, const cor
 // sums and writes dv, dg, dbeta of this value head.
 void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                          const core::Sequence& seq, int64_t hv, int64_t member, int64_t t0, int64_t n,
-                         const float* S, float* dS, BackwardWork& bw) {
+                         const float* S, float* dS, BackwardWork& bw, core::PhaseClock& clock) {
   const ForwardInputs& fin = in.fwd;
   ChunkWork& w = bw.w;
   const int64_t K = plan.K, V = plan.V, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
   const float scale = plan.scale;
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  prepare_chunk(plan, fin, seq, hv, t0, n, w);
+  prepare_chunk(plan, fin, seq, hv, t0, n, w, clock);
 
   // Vn = U - W S, its transpose, dO.
   float* Vn = bw.Vn.data();
@@ -144,6 +146,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     core::load_row(in.d_o, seq.batch_index, seq.first_token + t0 + i, hv, V, dO + i * Vp);
   transpose(S, Vp, K, V, bw.ST.data(), Kp);
   transpose(dS, Vp, K, V, bw.dST.data(), Kp);
+  clock.lap(core::Phase::grad_state_products);
 
   // dP = tril(dO Vn^T) (gradient of P, which includes scale).
   float* dP = bw.dP.data();
@@ -152,6 +155,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     gemm(e - s, padded(e), V, dO + s * Vp, Vp, 1, bw.VnT.data(), C, dP + s * C, C, Accumulate::overwrite);
     for (int64_t i = s; i < e; ++i) std::fill(dP + i * C + i + 1, dP + i * C + C, 0.0f);
   }
+  clock.lap(core::Phase::grad_dP_dL);
 
   // dVn = P^T dO + Kd dS'.
   float* dVn = bw.dVn.data();
@@ -200,6 +204,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     std::copy(dVn + i * Vp, dVn + i * Vp + Vp, Y + i * ldx + Kp);
   }
   gemm(n, Kp, V, dVn, Vp, 1, bw.ST.data(), Kp, Y, ldx, Accumulate::subtract);
+  clock.lap(core::Phase::grad_state_products);
   const float* Lm = w.L.data();
   const int64_t last_block = (n - 1) / kSub * kSub;
   for (int64_t s = last_block; s >= 0; s -= kSub) {
@@ -208,6 +213,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       gemm(e - s, ldx, n - e, Lm + e * C + s, 1, C, Y + e * ldx, ldx, Y + s * ldx, ldx, Accumulate::subtract);
     for (int64_t i = e - 2; i >= s; --i) subtract_combination(Y + i * ldx, Y, ldx, i + 1, e, Lm + i, C, ldx);
   }
+  clock.lap(core::Phase::grad_solve);
 
   // dL = -stril(Y X^T) with X = [W | U].
   float* dL = bw.dL.data();
@@ -222,6 +228,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       std::fill(li + i, li + C, 0.0f);
     }
   }
+  clock.lap(core::Phase::grad_dP_dL);
 
   // Through W = T diag(beta) K e^G and U = T diag(beta) V.
   float* dbeta = bw.dbeta.data();
@@ -243,6 +250,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       hn::StoreU(hn::MulAdd(byw, hn::LoadU(d, kg + c), hn::LoadU(d, dGi + c)), d, dGi + c);
     }
   }
+  clock.lap(core::Phase::grad_gate);
 
   // Intra-chunk terms. dPt = scale dP is the gradient of sum_d q k E; dL that of L.
   // dQi_i = sum_{j<=i} dPt_ij k_j E_ij;  r_i = sum_{j<i} dL_ij k_j E_ij;
@@ -371,6 +379,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       hn::StoreU(hn::Add(hn::LoadU(d, dki + c), hn::Add(krow, kcol)), d, dki + c);
     }
   }
+  clock.lap(core::Phase::grad_pairs);
 
   // dg_t = sum_{i >= t} dG_i + sum_{i < t} kdk_i + dlast + dgp_t, then through the fused gate;
   // dbeta through the sigmoid.
@@ -421,6 +430,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   add_rows(dq, bw.dq_group.data(), n * Kp);
   add_rows(dk, bw.dk_group.data(), n * Kp);
   std::copy(dS_in, dS_in + K * Vp, dS);
+  clock.lap(core::Phase::grad_gate);
 }
 
 // Whether the caller's chunk states can serve as the working state tiles directly (K-first, V a
@@ -435,6 +445,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   const int64_t group = plan.group, K = plan.K, Kp = bw.Kp, Vp = bw.Vp;
   const int64_t chunks = (seq.length + C - 1) / C;
   const bool states_in_place = states_used_in_place(plan, in);
+  core::PhaseClock clock(core::Kernel::chunk_backward);
   auto state = [&](int64_t m, int64_t c) -> const float* {
     if (states_in_place) return in.chunk_states + plan.state_offset(seq.first_chunk + c, h * group + m);
     return bw.state(m, c, chunks);
@@ -442,12 +453,13 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   for (int64_t m = 0; m < group; ++m) {
     const int64_t hv = h * group + m;
     if (in.chunk_states == nullptr) {
-      if (chunks > 0) recompute_states(plan, in.fwd, seq, n_seq, hv, bw.state(m, 0, chunks), bw);
+      if (chunks > 0) recompute_states(plan, in.fwd, seq, n_seq, hv, bw.state(m, 0, chunks), bw, clock);
     } else if (!states_in_place) {
       for (int64_t c = 0; c < chunks; ++c)
         load_state(plan, plan.packed(in.chunk_states, seq.first_chunk + c), hv, bw.state(m, c, chunks), Vp);
     }
     load_state(plan, plan.packed(in.d_final_state, n_seq), hv, bw.dS.data() + m * K * Vp, Vp);
+    clock.lap(core::Phase::state_io);
   }
   std::fill(bw.dA_log.begin(), bw.dA_log.end(), 0.0);
   std::fill(bw.ddt_bias.begin(), bw.ddt_bias.end(), 0.0);
@@ -458,7 +470,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     std::fill(bw.dk_group.data(), bw.dk_group.data() + n * Kp, 0.0f);
     for (int64_t m = 0; m < group; ++m)
       chunk_step_backward(plan, in, out, seq, h * group + m, m, t0, n, state(m, c), bw.dS.data() + m * K * Vp,
-                          bw);
+                          bw, clock);
     // Through the q/k L2 norm (w.q, w.k hold the normalised rows of head h, w.*_rstd their scales).
     for (int64_t i = 0; i < n; ++i) {
       float* dqi = bw.dq_group.data() + i * Kp;
@@ -471,11 +483,13 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       core::store_row(out.dq, seq.batch_index, t, h, K, dqi);
       core::store_row(out.dk, seq.batch_index, t, h, K, dki);
     }
+    clock.lap(core::Phase::grad_group);
   }
   if (out.d_initial_state != nullptr)
     for (int64_t m = 0; m < group; ++m)
       store_state(plan, bw.dS.data() + m * K * Vp, Vp, plan.packed(out.d_initial_state, n_seq),
                   h * group + m);
+  clock.lap(core::Phase::state_io);
 }
 
 void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,

@@ -35,24 +35,33 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
   const int64_t K = plan.K, V = plan.V, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
   float* S = fw.S.data();
   float* O = fw.O.data();
+  core::PhaseClock clock(core::Kernel::chunk_forward);
   load_state(plan, plan.initial[n_seq], hv, S, Vp);
+  clock.lap(core::Phase::state_io);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += C, ++c) {
     const int64_t n = std::min(C, seq.length - t0);
-    if (out.chunk_states != nullptr)
+    if (out.chunk_states != nullptr) {
       store_state(plan, S, Vp, plan.packed(out.chunk_states, seq.first_chunk + c), hv);
-    prepare_chunk(plan, in, seq, hv, t0, n, w);
+      clock.lap(core::Phase::state_io);
+    }
+    prepare_chunk(plan, in, seq, hv, t0, n, w, clock);
     make_vn_in_place(w, n, S);
     const float* Vn = w.U();
     gemm(n, Vp, K, w.Qe.data(), Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
+    clock.lap(core::Phase::state_products);
     for (int64_t s = 0; s < n; s += kSub) {
       const int64_t e = std::min(s + kSub, n);
       gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
     }
+    clock.lap(core::Phase::intra_output);
     for (int64_t i = 0; i < n; ++i)
       core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
+    clock.lap(core::Phase::store);
     advance_state(w, n, S, S, Vn, ldx);
+    clock.lap(core::Phase::state_products);
   }
   if (plan.final[n_seq]) store_state(plan, S, Vp, plan.final[n_seq], hv);
+  clock.lap(core::Phase::state_io);
 }
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,

@@ -16,6 +16,7 @@
 #define KDA_CPU_CHUNK_INTRA_INL_H_
 #endif
 
+#include "core/phase_clock.hpp"
 #include "cpu/simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -219,13 +220,18 @@ inline void solve_wy(ChunkWork& w, int64_t n) {
 enum class ChunkNeeds { all, state_only };
 
 // Gathers rows [t_begin, t_begin + n) of (sequence, hv) and runs the intra-chunk steps.
+// Each step's time goes to the caller's phase clock.
 inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w,
+                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w, core::PhaseClock& clock,
                           ChunkNeeds needs = ChunkNeeds::all) {
   load_chunk_rows(plan, in, seq, hv, t_begin, n, w.rows());
+  clock.lap(core::Phase::gather);
   build_decay_factors(w, n, plan.scale);
+  clock.lap(core::Phase::decay_factors);
   build_intra(w, n, plan.scale, needs == ChunkNeeds::all);
+  clock.lap(core::Phase::intra_matrices);
   solve_wy(w, n);
+  clock.lap(core::Phase::wy_solve);
 }
 
 // Vn = U - W S, written over U (rows [0, n)); S is the K-first state entering the chunk.

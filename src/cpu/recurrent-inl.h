@@ -46,6 +46,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/phase_clock.hpp"
 #include "cpu/simd-inl.h"
 #include "hwy/cache_control.h"
 
@@ -311,15 +312,16 @@ struct ForwardWork {
 
 // Walks one (sequence, value head) forward. With `out` it writes o, chunk_states and final_state;
 // without it (the backward's checkpoint pass) it writes the state entering every segment, in
-// panels, into ckpt.
+// panels, into ckpt. Phases are timed on `clock`.
 template <bool kOutput>
 void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out,
-                      int64_t n_seq, int64_t hv, ForwardWork& w, float* ckpt) {
+                      int64_t n_seq, int64_t hv, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
   const BlockedState S = w.state();
   const int64_t L = lanes();
   load_blocked(plan, plan.initial[n_seq], hv, S);
+  clock.lap(core::Phase::state_io);
   ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += kC, ++c) {
     const int64_t n = std::min(kC, seq.length - t0);
@@ -329,8 +331,11 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
     } else {
       blocked_to_panels(S, V, ckpt + c * V * Kp);
     }
+    clock.lap(core::Phase::state_io);
     load_chunk_rows(plan, in, seq, hv, t0, n, rows);
+    clock.lap(core::Phase::gather);
     exp_rows(w.e.data(), n, Kp);
+    clock.lap(core::Phase::decay_factors);
     const RowPrefetch pf = rows_prefetch(plan, in, seq, hv, t0 + kC, std::min(kC, seq.length - t0 - kC));
     for (int64_t c0 = 0; c0 < Vp; c0 += S.W) {
       const int nv = static_cast<int>(S.width(c0) / L);
@@ -338,13 +343,16 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
                                         w.v.data() + c0, w.o.data() + c0, S.block(c0), plan.scale,
                                         c0 == 0 ? &pf : nullptr);
     }
+    clock.lap(core::Phase::recurrent_sweep);
     if constexpr (kOutput) {
       for (int64_t i = 0; i < n; ++i)
         core::store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
+      clock.lap(core::Phase::store);
     }
   }
   if constexpr (kOutput) {
     if (plan.final[n_seq]) store_blocked(plan, S, plan.final[n_seq], hv);
+    clock.lap(core::Phase::state_io);
   }
 }
 

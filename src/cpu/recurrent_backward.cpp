@@ -372,16 +372,21 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     std::memset(w.dK.data(), 0, sizeof(float) * static_cast<size_t>(len * Kp));
   }
   w.clear_rows();
+  core::PhaseClock clock(core::Kernel::recurrent_backward);
   const bool own_ckpt = in.chunk_states == nullptr;
   const size_t ckpt_size = static_cast<size_t>((own_ckpt ? nseg : 1) * V * Kp);
   if (w.ckpt.size() < ckpt_size) w.ckpt.reset(ckpt_size);
 
   for (int64_t hv = h * plan.group; hv < (h + 1) * plan.group; ++hv) {
-    if (own_ckpt) forward_sequence<false>(plan, f, nullptr, n_seq, hv, w.fwd, w.ckpt.data());
+    if (own_ckpt) {
+      const core::PhaseClock::Redirect as_recompute(clock, core::Phase::states_recompute);
+      forward_sequence<false>(plan, f, nullptr, n_seq, hv, w.fwd, w.ckpt.data(), clock);
+    }
 
     // Gradient of the final state, in panels.
     float* dS = w.dS.data();
     load_panels(plan, in.d_final_state, n_seq, hv, dS);
+    clock.lap(core::Phase::state_io);
 
     const float a = plan.fused_gate() ? gate_scale(f.A_log[hv]) : 0.0f;
     const double a_d = plan.fused_gate() ? std::exp(static_cast<double>(f.A_log[hv])) : 0.0;
@@ -400,6 +405,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
         load_panels(plan, in.chunk_states, seq.first_chunk + c, hv, w.ckpt.data());
         base = w.ckpt.data();
       }
+      clock.lap(core::Phase::state_io);
       load_chunk_rows(plan, f, seq, hv, t0, n, rows);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = seq.first_token + t0 + i;
@@ -422,11 +428,13 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       std::memset(w.dk0.data(), 0, sizeof(float) * static_cast<size_t>(n * Kp));
       std::memset(w.dg0.data(), 0, sizeof(float) * static_cast<size_t>(n * Kp));
       std::memset(w.dbeta.data(), 0, sizeof(float) * static_cast<size_t>(n));
+      clock.lap(core::Phase::gather);
 
       for (int64_t j0 = 0; j0 < V; j0 += kBwdColumns) {
         const int jg = static_cast<int>(std::min<int64_t>(kBwdColumns, V - j0));
         backward_group_dispatch<kBwdColumns>(jg, n, j0, base + j0 * Kp, w);
       }
+      clock.lap(core::Phase::recurrent_backward_sweep);
 
       // Per-token outputs of the value head; dq, dk summed over the group.
       for (int64_t i = 0; i < n; ++i) {
@@ -464,9 +472,11 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
           hn::StoreU(hn::Add(hn::LoadU(d, dK + x), hn::LoadU(d, w.dk.data() + i * Kp + x)), d, dK + x);
         }
       }
+      clock.lap(core::Phase::grad_gate);
     }
     if (plan.fused_gate()) gg.dA[n_seq * HV + hv] = dA;
     if (out.d_initial_state != nullptr) store_panels(plan, dS, out.d_initial_state, n_seq, hv);
+    clock.lap(core::Phase::state_io);
   }
 
   // dq, dk through the optional L2 norm, w.r.t. the raw rows.
@@ -488,6 +498,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     core::store_row(out.dq, b, t, h, K, dQ);
     core::store_row(out.dk, b, t, h, K, dK);
   }
+  clock.lap(core::Phase::grad_group);
 }
 
 }  // namespace

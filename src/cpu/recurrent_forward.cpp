@@ -23,8 +23,9 @@ void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const For
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V);
   run.parallel_for(items, [&](int64_t item, int worker) {
+    core::PhaseClock clock(core::Kernel::recurrent_forward);
     forward_sequence<true>(plan, in, &out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)],
-                           nullptr);
+                           nullptr, clock);
   });
 }
 
