@@ -157,8 +157,8 @@ void blocked_to_panels(const BlockedState& S, int64_t V, float* dst) {
   });
 }
 
-// Prefetches the input rows of upcoming tokens while a block is computed: consecutive tokens of
-// one head are a whole [H, K] row apart, too far for the hardware prefetchers.
+// Prefetches rows of one (sequence, head) while a block is computed: consecutive tokens of one head
+// are a whole [H, K] row apart, each in its own page, which the hardware prefetchers do not follow.
 struct RowPrefetch {
   static constexpr int kMax = 5;
   const char* base[kMax];
@@ -185,6 +185,24 @@ struct RowPrefetch {
   }
 };
 
+// A share of the prefetches of a block: rows [first, first + count) of each RowPrefetch, issued
+// evenly over the `steps` token steps of one column block. Spreading them over every column block
+// keeps the misses in flight few at a time: issued all at once (one column block prefetching the
+// whole next block) they stalled that column block's sweep as long as they saved in the gather.
+struct PrefetchShare {
+  static constexpr int kMax = 2;
+  const RowPrefetch* pf[kMax] = {nullptr, nullptr};
+  int64_t first[kMax] = {0, 0}, count[kMax] = {0, 0};
+
+  HWY_INLINE void step(int64_t t, int64_t steps) const {
+    for (int x = 0; x < kMax; ++x) {
+      if (pf[x] == nullptr) continue;
+      for (int64_t i = first[x] + t * count[x] / steps; i < first[x] + (t + 1) * count[x] / steps; ++i)
+        (*pf[x])(i);
+    }
+  }
+};
+
 // The rows of tokens [t_begin, t_begin + n) of one (sequence, value head) that load_chunk_rows reads.
 RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
                           int64_t hv, int64_t t_begin, int64_t n) {
@@ -207,7 +225,7 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
                                   const float* HWY_RESTRICT k, const float* HWY_RESTRICT e,
                                   const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
                                   float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
-                                  const RowPrefetch* pf) {
+                                  const PrefetchShare& pf) {
   const DF d;
   const int64_t L = lanes();
   const int64_t W = NV * L;
@@ -225,7 +243,7 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
     }
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (pf != nullptr) (*pf)(t);
+    pf.step(t, n);
     const float* kt = k + t * Kp;
     const float* qt = q + t * Kp;
     const VF vb = hn::Set(d, beta[t]);
@@ -275,7 +293,7 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
 template <bool kOutput>
 void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* q,
                               const float* k, const float* e, const float* beta, const float* v, float* o,
-                              float* Sb, float scale, const RowPrefetch* pf) {
+                              float* Sb, float scale, const PrefetchShare& pf) {
   switch (nv) {
     case 1: forward_columns<1, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
     case 2: forward_columns<2, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
@@ -298,21 +316,55 @@ void exp_rows(float* g, int64_t n, int64_t Kp) {
   for (int64_t i = 0; i < n * Kp; i += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + i)), d, g + i);
 }
 
+// Rows of one block of up to kC tokens: q, k, e = exp(g) [kC][Kp], v [kC][Vp], beta [kC].
+struct BlockRows {
+  Buffer<float> q, k, v, e, beta;
+  BlockRows(int64_t Kp, int64_t Vp) {
+    q.reset(kC * Kp), k.reset(kC * Kp), e.reset(kC * Kp), v.reset(kC * Vp), beta.reset(kC);
+  }
+  // Rows [first, ...) as load_chunk_rows fills them (g is read into e, then exponentiated in place).
+  ChunkRows from(int64_t first, int64_t Kp, int64_t Vp) const {
+    return {q.data() + first * Kp,
+            k.data() + first * Kp,
+            v.data() + first * Vp,
+            e.data() + first * Kp,
+            beta.data() + first,
+            nullptr,
+            nullptr};
+  }
+};
+
 // Per-thread memory of the forward walk over one (sequence, value head).
 struct ForwardWork {
   int64_t K, V, Kp, Vp;
-  Buffer<float> S;                    // blocked state, K * Vp
-  Buffer<float> q, k, v, e, beta, o;  // rows of one block of up to kC tokens
-  ForwardWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)) {
+  Buffer<float> S;    // blocked state, K * Vp
+  BlockRows rows[2];  // the block being swept and the next one, gathered during the sweep
+  Buffer<float> o;    // output rows of one block
+  ForwardWork(int64_t K_, int64_t V_)
+      : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), rows{BlockRows(Kp, Vp), BlockRows(Kp, Vp)} {
     S.reset(K * Vp);
-    q.reset(kC * Kp), k.reset(kC * Kp), e.reset(kC * Kp), v.reset(kC * Vp), o.reset(kC * Vp), beta.reset(kC);
+    o.reset(kC * Vp);
   }
   BlockedState state() const { return {K, Vp, block_width(), S.data()}; }
 };
 
+// Gathers rows [first, first + count) of the block starting at token t_begin into `rows`.
+inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
+                              int64_t hv, int64_t t_begin, int64_t first, int64_t count,
+                              const BlockRows& rows, int64_t Kp, int64_t Vp) {
+  if (count <= 0) return;
+  load_chunk_rows(plan, in, seq, hv, t_begin + first, count, rows.from(first, Kp, Vp));
+  exp_rows(rows.e.data() + first * Kp, count, Kp);
+}
+
 // Walks one (sequence, value head) forward. With `out` it writes o, chunk_states and final_state;
 // without it (the backward's checkpoint pass) it writes the state entering every segment, in
 // panels, into ckpt. Phases are timed on `clock`.
+//
+// Memory: consecutive tokens of a head are a whole [H, K] row apart, each row in its own page, and
+// at the power-of-two strides of real shapes the rows of q, k, v and g of 64 tokens fall into a few
+// cache sets. So the next block is gathered in slices during the sweep of this one: after each
+// column block, the slice of rows prefetched while it ran; the rows in flight at any time stay few.
 template <bool kOutput>
 void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out,
                       int64_t n_seq, int64_t hv, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
@@ -320,11 +372,16 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
   const BlockedState S = w.state();
   const int64_t L = lanes();
+  const int64_t blocks = (Vp + S.W - 1) / S.W;  // column blocks
   load_blocked(plan, plan.initial[n_seq], hv, S);
   clock.lap(core::Phase::state_io);
-  ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
+  gather_block_rows(plan, in, seq, hv, 0, 0, std::min(kC, seq.length), w.rows[0], Kp, Vp);
+  clock.lap(core::Phase::gather);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += kC, ++c) {
     const int64_t n = std::min(kC, seq.length - t0);
+    const BlockRows& cur = w.rows[c % 2];
+    const BlockRows& next = w.rows[(c + 1) % 2];
+    const int64_t next_n = std::min(kC, seq.length - t0 - kC);  // <= 0 after the last block
     if constexpr (kOutput) {
       if (out->chunk_states != nullptr)
         store_blocked(plan, S, plan.packed(out->chunk_states, seq.first_chunk + c), hv);
@@ -332,18 +389,31 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
       blocked_to_panels(S, V, ckpt + c * V * Kp);
     }
     clock.lap(core::Phase::state_io);
-    load_chunk_rows(plan, in, seq, hv, t0, n, rows);
-    clock.lap(core::Phase::gather);
-    exp_rows(w.e.data(), n, Kp);
-    clock.lap(core::Phase::decay_factors);
-    const RowPrefetch pf = rows_prefetch(plan, in, seq, hv, t0 + kC, std::min(kC, seq.length - t0 - kC));
-    for (int64_t c0 = 0; c0 < Vp; c0 += S.W) {
-      const int nv = static_cast<int>(S.width(c0) / L);
-      forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, w.q.data(), w.k.data(), w.e.data(), w.beta.data(),
-                                        w.v.data() + c0, w.o.data() + c0, S.block(c0), plan.scale,
-                                        c0 == 0 ? &pf : nullptr);
+    // Prefetched during the sweep: the next block's input rows and this block's output rows.
+    const RowPrefetch next_in = rows_prefetch(plan, in, seq, hv, t0 + kC, next_n);
+    RowPrefetch this_out;
+    if constexpr (kOutput) {
+      this_out.add(out->o, seq.batch_index, seq.first_token + t0, hv, V);
+      this_out.rows = n;
     }
-    clock.lap(core::Phase::recurrent_sweep);
+    for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += S.W, ++cb) {
+      const int nv = static_cast<int>(S.width(c0) / L);
+      PrefetchShare share;
+      share.pf[0] = &next_in, share.pf[1] = &this_out;
+      for (int x = 0; x < 2; ++x) {
+        const int64_t rows = share.pf[x]->rows;
+        share.first[x] = cb * rows / blocks;
+        share.count[x] = (cb + 1) * rows / blocks - share.first[x];
+      }
+      forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, cur.q.data(), cur.k.data(), cur.e.data(),
+                                        cur.beta.data(), cur.v.data() + c0, w.o.data() + c0, S.block(c0),
+                                        plan.scale, share);
+      clock.lap(core::Phase::recurrent_sweep);
+      if (next_n > 0) {
+        gather_block_rows(plan, in, seq, hv, t0 + kC, share.first[0], share.count[0], next, Kp, Vp);
+        clock.lap(core::Phase::gather);
+      }
+    }
     if constexpr (kOutput) {
       for (int64_t i = 0; i < n; ++i)
         core::store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
