@@ -16,6 +16,9 @@ void select_target();
 std::vector<std::string> available_targets();
 // Name of the SIMD target the kernels dispatch to.
 const char* simd_target();
+// The kernels' row conversions on the dispatched target, for the tests: x (n floats) stored as a
+// bf16 row, and that row read back as floats.
+void convert_row_for_testing(const float* x, int64_t n, uint16_t* bf16, float* widened);
 // Bits of the vectors the kernels use (hardware = false) or of the CPU's vectors, on that target.
 int simd_vector_bits(bool hardware);
 

@@ -143,7 +143,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   transpose(Vn, Vp, n, V, bw.VnT.data(), C);
   float* dO = bw.dO.data();
   for (int64_t i = 0; i < n; ++i)
-    core::load_row(in.d_o, seq.batch_index, seq.first_token + t0 + i, hv, V, dO + i * Vp);
+    load_row(in.d_o, seq.batch_index, seq.first_token + t0 + i, hv, V, dO + i * Vp);
   transpose(S, Vp, K, V, bw.ST.data(), Kp);
   transpose(dS, Vp, K, V, bw.dST.data(), Kp);
   clock.lap(core::Phase::grad_state_products);
@@ -238,7 +238,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     const float* yu = yw + Kp;
     dbeta[i] = dot(yu, w.v.data() + i * Vp, Vp) + dot(yw, w.Kg.data() + i * Kp, Kp);
     scale_row(bi, yu, bw.dv_row.data(), Vp);
-    core::store_row(out.dv, seq.batch_index, seq.first_token + t0 + i, hv, V, bw.dv_row.data());
+    store_row(out.dv, seq.batch_index, seq.first_token + t0 + i, hv, V, bw.dv_row.data());
     const float* eG = w.eG.data() + i * Kp;
     const float* kg = w.Kg.data() + i * Kp;
     float* dki = dk + i * Kp;
@@ -407,7 +407,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     const float* dGi = dG + i * Kp;
     if (plan.fused_gate()) {
       float* row = w.row.data();
-      core::load_row(fin.g, seq.batch_index, t, hv, K, row);
+      load_row(fin.g, seq.batch_index, t, hv, K, row);
       for (int64_t c = 0; c < K; ++c) {
         const float bc = bias ? bias[c] : 0.0f;
         const double upstream = dGi[c];
@@ -416,14 +416,14 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
         *dA += upstream * core::gate_derivative_A_log<double>(p.gate, row[c], a_gate, bc, p.gate_lower_bound);
         dbias[c] += dg[c];
       }
-      core::store_row(out.dg, seq.batch_index, t, hv, K, dg);
+      store_row(out.dg, seq.batch_index, t, hv, K, dg);
     } else {
-      core::store_row(out.dg, seq.batch_index, t, hv, K, dGi);
+      store_row(out.dg, seq.batch_index, t, hv, K, dGi);
     }
     float braw = 0.0f;
-    core::load_row(fin.beta, seq.batch_index, t, hv, 1, &braw);
+    load_row(fin.beta, seq.batch_index, t, hv, 1, &braw);
     const float db = dbeta[i] * core::beta_derivative<float>(p.beta, braw);
-    core::store_row(out.dbeta, seq.batch_index, t, hv, 1, &db);
+    store_row(out.dbeta, seq.batch_index, t, hv, 1, &db);
   }
 
   // Group sums of dq, dk (fixed member order), and the new dS.
@@ -480,8 +480,8 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
         l2norm_backward_row(bw.w.k.data() + i * Kp, bw.w.k_rstd[i], dki, Kp);
       }
       const int64_t t = seq.first_token + t0 + i;
-      core::store_row(out.dq, seq.batch_index, t, h, K, dqi);
-      core::store_row(out.dk, seq.batch_index, t, h, K, dki);
+      store_row(out.dq, seq.batch_index, t, h, K, dqi);
+      store_row(out.dk, seq.batch_index, t, h, K, dki);
     }
     clock.lap(core::Phase::grad_group);
   }

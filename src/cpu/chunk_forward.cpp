@@ -55,7 +55,7 @@ void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardO
     }
     clock.lap(core::Phase::intra_output);
     for (int64_t i = 0; i < n; ++i)
-      core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
+      store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
     clock.lap(core::Phase::store);
     advance_state(w, n, S, S, Vn, ldx);
     clock.lap(core::Phase::state_products);
@@ -74,6 +74,14 @@ void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const Forward
 }
 
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+void ConvertRow(const float* x, int64_t n, uint16_t* bf16, float* widened) {
+  Output out;
+  out.data = bf16, out.dtype = DType::bf16, out.heads = 1, out.dim = n;
+  store_row(out, 0, 0, 0, n, x);
+  Input in;
+  in.data = bf16, in.dtype = DType::bf16, in.heads = 1, in.dim = n;
+  load_row(in, 0, 0, 0, n, widened);
+}
 int VectorBits(bool hardware) {
   const size_t lanes = hardware ? hn::Lanes(hn::ScalableTag<float>()) : hn::Lanes(DF());
   return static_cast<int>(lanes * 32);
@@ -86,6 +94,7 @@ HWY_AFTER_NAMESPACE();
 namespace kda::cpu {
 HWY_EXPORT(ChunkForward);
 HWY_EXPORT(TargetName);
+HWY_EXPORT(ConvertRow);
 HWY_EXPORT(VectorBits);
 
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
@@ -94,6 +103,10 @@ void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const Forwar
 }
 
 const char* simd_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+void convert_row_for_testing(const float* x, int64_t n, uint16_t* bf16, float* widened) {
+  select_target();
+  HWY_DYNAMIC_DISPATCH(ConvertRow)(x, n, bf16, widened);
+}
 int simd_vector_bits(bool hardware) { return HWY_DYNAMIC_DISPATCH(VectorBits)(hardware); }
 }  // namespace kda::cpu
 #endif

@@ -426,7 +426,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
   if (!plan.padding.empty() && plan.padding[n]) {
     std::fill(w.o.data(), w.o.data() + Vp, 0.0f);
     for (int64_t t = 0; t < seq.length; ++t)
-      core::store_row(out.o, seq.batch_index, seq.first_token + t, hv, V, w.o.data());
+      store_row(out.o, seq.batch_index, seq.first_token + t, hv, V, w.o.data());
     return;
   }
   const core::StateRef& initial = plan.initial[n];
@@ -469,7 +469,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
       hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.e.data() + c)), d, w.e.data() + c);
     slot_token(plan, head_state(plan, initial, hv), head_state(plan, single_dst, hv), w.q.data(), w.k.data(),
                w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.acc.data());
-    core::store_row(out.o, seq.batch_index, seq.first_token, hv, V, w.o.data());
+    store_row(out.o, seq.batch_index, seq.first_token, hv, V, w.o.data());
     return;
   }
   for (int64_t t0 = 0; t0 < seq.length; t0 += kTokens) {
@@ -500,7 +500,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
                       w.acc.data(), src, dst);
     }
     for (int64_t i = 0; i < count; ++i)
-      core::store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
+      store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
   }
 }
 

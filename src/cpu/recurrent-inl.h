@@ -416,7 +416,7 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
     }
     if constexpr (kOutput) {
       for (int64_t i = 0; i < n; ++i)
-        core::store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
+        store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
       clock.lap(core::Phase::store);
     }
   }

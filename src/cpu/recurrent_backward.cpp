@@ -409,13 +409,13 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       load_chunk_rows(plan, f, seq, hv, t0, n, rows);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = seq.first_token + t0 + i;
-        core::load_row(in.d_o, b, t, hv, V, w.dout.data() + i * Vp);
+        load_row(in.d_o, b, t, hv, V, w.dout.data() + i * Vp);
         scale_row(plan.scale, w.q.data() + i * Kp, w.qs.data() + i * Kp, Kp);
         if (plan.fused_gate()) {
           // exp(g) amplifies the absolute error of g (|g| ulp-sized): recompute g and exp(g) in
           // double so the gradient of A_log keeps its accuracy for large |g|.
           float* graw = w.graw.data() + i * Kp;
-          core::load_row(f.g, b, t, hv, K, graw);
+          load_row(f.g, b, t, hv, K, graw);
           gate_rows_double(p.gate, a_d, p.gate_lower_bound, bias, graw, w.g.data() + i * Kp,
                            w.e.data() + i * Kp, K);
         } else {
@@ -439,12 +439,12 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       // Per-token outputs of the value head; dq, dk summed over the group.
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = seq.first_token + t0 + i;
-        core::store_row(out.dv, b, t, hv, V, w.dv.data() + i * Vp);
+        store_row(out.dv, b, t, hv, V, w.dv.data() + i * Vp);
         float braw = 0.0f;
-        core::load_row(f.beta, b, t, hv, 1, &braw);
+        load_row(f.beta, b, t, hv, 1, &braw);
         const float db = static_cast<float>(static_cast<double>(w.dbeta[i]) *
                                             core::beta_derivative<double>(p.beta, static_cast<double>(braw)));
-        core::store_row(out.dbeta, b, t, hv, 1, &db);
+        store_row(out.dbeta, b, t, hv, 1, &db);
         // S1 = e * S0: the S1 terms of dk and dg were accumulated against S0.
         float* dgl = w.dg0.data() + i * Kp;
         {
@@ -460,9 +460,9 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
         if (plan.fused_gate()) {
           dA += gate_backward_row(p.gate, a, p.gate_lower_bound, bias, w.graw.data() + i * Kp,
                                   w.g.data() + i * Kp, dgl, w.row.data(), K, ddt);
-          core::store_row(out.dg, b, t, hv, K, w.row.data());
+          store_row(out.dg, b, t, hv, K, w.row.data());
         } else {
-          core::store_row(out.dg, b, t, hv, K, dgl);
+          store_row(out.dg, b, t, hv, K, dgl);
         }
         float* dQ = w.dQ.data() + (t0 + i) * Kp;
         float* dK = w.dK.data() + (t0 + i) * Kp;
@@ -487,16 +487,16 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     if (p.qk_l2norm) {
       float* y = w.row.data();
       std::fill(y + K, y + Kp, 0.0f);  // a NaN row of an earlier item may have left NaN here
-      core::load_row(f.q, b, t, h, K, y);
+      load_row(f.q, b, t, h, K, y);
       float rstd = l2norm_row(y, Kp);
       l2norm_backward_row(y, rstd, dQ, Kp);
       std::fill(y + K, y + Kp, 0.0f);
-      core::load_row(f.k, b, t, h, K, y);
+      load_row(f.k, b, t, h, K, y);
       rstd = l2norm_row(y, Kp);
       l2norm_backward_row(y, rstd, dK, Kp);
     }
-    core::store_row(out.dq, b, t, h, K, dQ);
-    core::store_row(out.dk, b, t, h, K, dK);
+    store_row(out.dq, b, t, h, K, dQ);
+    store_row(out.dk, b, t, h, K, dK);
   }
   clock.lap(core::Phase::grad_group);
 }

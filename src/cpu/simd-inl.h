@@ -291,6 +291,59 @@ HWY_INLINE void add_rows(const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int
   for (int64_t i = 0; i < n; i += L) hn::StoreU(hn::Add(hn::LoadU(d, y + i), hn::LoadU(d, x + i)), d, y + i);
 }
 
+// ---- rows of the activations -------------------------------------------------------------------
+
+// Reads n contiguous elements of row (b, t, h) as floats: core::load_row in this target's vectors
+// (the conversion from bf16 is exact, so the results are the same).
+inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n, float* HWY_RESTRICT dst) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+  if (in.dtype == DType::f32) {
+    const float* src = reinterpret_cast<const float*>(core::element_ptr(in, b, t, h));
+    for (; i + L <= n; i += L) hn::StoreU(hn::LoadU(d, src + i), d, dst + i);
+    for (; i < n; ++i) dst[i] = src[i];
+    return;
+  }
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(core::element_ptr(in, b, t, h));
+  const hn::Rebind<uint32_t, DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  for (; i + L <= n; i += L)
+    hn::StoreU(hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src + i)))), d, dst + i);
+  for (; i < n; ++i) dst[i] = core::bf16_to_float(src[i]);
+}
+
+// Writes n floats to row (b, t, h): core::store_row in this target's vectors (bf16 rounded to nearest
+// even, NaN kept NaN, as core::float_to_bf16).
+inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_t n,
+                      const float* HWY_RESTRICT src) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+  if (out.dtype == DType::f32) {
+    float* dst = reinterpret_cast<float*>(core::element_ptr(out, b, t, h));
+    for (; i + L <= n; i += L) hn::StoreU(hn::LoadU(d, src + i), d, dst + i);
+    for (; i < n; ++i) dst[i] = src[i];
+    return;
+  }
+  uint16_t* dst = reinterpret_cast<uint16_t*>(core::element_ptr(out, b, t, h));
+  const hn::Rebind<uint32_t, DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const hn::Rebind<int32_t, DF> di32;
+  const auto magnitude = hn::Set(du32, 0x7fffffffu), inf = hn::Set(du32, 0x7f800000u);
+  const auto half = hn::Set(du32, 0x7fffu), one = hn::Set(du32, 1u), quiet = hn::Set(du32, 0x40u);
+  for (; i + L <= n; i += L) {
+    const auto u = hn::BitCast(du32, hn::LoadU(d, src + i));
+    const auto high = hn::ShiftRight<16>(u);
+    const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(half, hn::And(high, one))));
+    const auto is_nan = hn::Gt(hn::And(u, magnitude), inf);
+    // Every lane is <= 0xffff, so the signed-to-unsigned demotion (which Highway has) keeps it.
+    const auto bits = hn::BitCast(di32, hn::IfThenElse(is_nan, hn::Or(high, quiet), rounded));
+    hn::StoreU(hn::DemoteTo(du16, bits), du16, dst + i);
+  }
+  for (; i < n; ++i) dst[i] = core::float_to_bf16(src[i]);
+}
+
 // ---- gathering a chunk ---------------------------------------------------------------------------
 
 // Tiles for up to kChunkSize rows of one (sequence, value head), pre-processed. Rows are padded to
@@ -335,8 +388,8 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
     const int64_t t = seq.first_token + t_begin + i;
     float* q = rows.q + i * Kp;
     float* k = rows.k + i * Kp;
-    core::load_row(in.q, b, t, h, K, q);
-    core::load_row(in.k, b, t, h, K, k);
+    load_row(in.q, b, t, h, K, q);
+    load_row(in.k, b, t, h, K, k);
     float qr = 1.0f, kr = 1.0f;
     if (p.qk_l2norm) {
       qr = l2norm_row(q, Kp);
@@ -347,12 +400,12 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
     }
     if (rows.q_rstd != nullptr) rows.q_rstd[i] = qr;
     if (rows.k_rstd != nullptr) rows.k_rstd[i] = kr;
-    core::load_row(in.v, b, t, hv, V, rows.v + i * Vp);
+    load_row(in.v, b, t, hv, V, rows.v + i * Vp);
     float* g = rows.g + i * Kp;
-    core::load_row(in.g, b, t, hv, K, g);
+    load_row(in.g, b, t, hv, K, g);
     if (plan.fused_gate()) gate_row(p.gate, a, p.gate_lower_bound, bias, g, g, K);
     float beta = 0.0f;
-    core::load_row(in.beta, b, t, hv, 1, &beta);
+    load_row(in.beta, b, t, hv, 1, &beta);
     rows.beta[i] = core::beta_forward<float>(p.beta, beta);
   }
 }
