@@ -257,7 +257,7 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
       // Update with r_t and read out o_t, then decay for token t+1 and accumulate k_{t+1}^T S1.
       const float* en = e + (t + 1) * Kp;
       const float* kn = k + (t + 1) * Kp;
-      for (int64_t r = 0; r < K; ++r) {
+      const auto update_row = [&](int64_t r, VectorArray<NV>& o_sum, VectorArray<NV>& u_sum) HWY_ATTR {
         float* row = Sb + r * W;
         const VF vk = hn::Set(d, kt[r]);
         const VF vq = hn::Set(d, qt[r]);
@@ -265,11 +265,25 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
         const VF vkn = hn::Set(d, kn[r]);
         for (int j = 0; j < NV; ++j) {
           VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) out.set(j, hn::MulAdd(vq, s, out.get(j)));
+          if constexpr (kOutput) o_sum.set(j, hn::MulAdd(vq, s, o_sum.get(j)));
           s = hn::Mul(s, ve);
-          acc.set(j, hn::MulAdd(vkn, s, acc.get(j)));
+          u_sum.set(j, hn::MulAdd(vkn, s, u_sum.get(j)));
           hn::StoreU(s, d, row + j * L);
         }
+      };
+      // Even and odd rows sum into separate accumulators: one FMA chain per sum would make each
+      // row wait for the previous row's FMA (latency 4-5 cycles, as long as the row's own work).
+      VectorArray<NV> out_odd, acc_odd;
+      for (int j = 0; j < NV; ++j) out_odd.set(j, hn::Zero(d)), acc_odd.set(j, hn::Zero(d));
+      int64_t r = 0;
+      for (; r + 1 < K; r += 2) {
+        update_row(r, out, acc);
+        update_row(r + 1, out_odd, acc_odd);
+      }
+      if (r < K) update_row(r, out, acc);
+      for (int j = 0; j < NV; ++j) {
+        acc.set(j, hn::Add(acc.get(j), acc_odd.get(j)));
+        if constexpr (kOutput) out.set(j, hn::Add(out.get(j), out_odd.get(j)));
       }
     } else {
       for (int64_t r = 0; r < K; ++r) {
