@@ -19,7 +19,7 @@
 #endif
 namespace kda::profile {
 
-// Turns the phase timers on or off for every later call (in flight calls keep their setting).
+// Turns the phase timers on or off (each work item of a kernel reads the setting when it starts).
 void set_enabled(bool on);
 bool enabled();
 // Sets every counter to zero.
