@@ -78,6 +78,7 @@ inline std::string threads_tag(int threads) {
 }
 
 // Median seconds of one forward path without chunk states (a prefill); throws what the call throws.
+// reps = 0 makes the warm-up call only and returns 0 (a single call, e.g. to profile it).
 inline double time_forward(const kda::harness::Data& d, ForwardPath path, int threads, int reps,
                            const std::string& label) {
   namespace hs = kda::harness;
@@ -96,7 +97,7 @@ inline double time_forward(const kda::harness::Data& d, ForwardPath path, int th
 }
 
 // Median seconds of a training step's forward (keeping chunk_states) and backward, timed separately
-// within each rep as a training step runs them.
+// within each rep as a training step runs them (reps = 0: one step, zeros returned).
 inline std::pair<double, double> time_training(const kda::harness::Data& d,
                                                const kda::harness::Cotangents& ct, int threads, int reps,
                                                const std::string& label) {

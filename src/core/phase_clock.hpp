@@ -12,7 +12,8 @@ enum class Kernel : int { chunk_forward, recurrent_forward, chunk_backward, recu
 
 // Phases, shared by the kernels (each uses the ones that apply). Names are in profile.cpp.
 enum class Phase : int {
-  gather,               // input rows into tiles, with the L2 norm, the fused gate and beta
+  gather,               // input rows into tiles, with the L2 norm, the fused gate and beta (in the
+                        // recurrent forward also exp(g), done per slice as the rows arrive)
   decay_factors,        // exp(g), exp(G), exp(G_last - G) and the decayed q / k rows
   intra_matrices,       // L and P of a chunk
   wy_solve,             // (I + L) [W | U] = [beta K e^G | beta V]

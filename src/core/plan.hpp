@@ -106,7 +106,8 @@ inline auto element_ptr(const View& v, int64_t b, int64_t t, int64_t h) {
          (b * v.stride_b + t * v.stride_t + h * v.stride_h) * static_cast<int64_t>(dtype_size(v.dtype));
 }
 
-// Reads `n` contiguous elements of row (b, t, h), converted to T (float or double).
+// Reads `n` contiguous elements of row (b, t, h), converted to T (float or double). The oracle reads
+// rows so; the kernels use their SIMD load_row / store_row (cpu/simd-inl.h), which agree bitwise.
 template <typename T>
 inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n, T* dst) {
   const char* src = element_ptr(in, b, t, h);
@@ -119,24 +120,6 @@ inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n
     case DType::bf16: {
       const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(bf16_to_float(s[i]));
-      break;
-    }
-  }
-}
-
-// Writes `n` contiguous elements of row (b, t, h), converting from T to the view's dtype.
-template <typename T>
-inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_t n, const T* src) {
-  char* dst = element_ptr(out, b, t, h);
-  switch (out.dtype) {
-    case DType::f32: {
-      float* d = reinterpret_cast<float*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(src[i]);
-      break;
-    }
-    case DType::bf16: {
-      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(static_cast<float>(src[i]));
       break;
     }
   }

@@ -17,25 +17,28 @@ struct Counter {
 };
 std::array<std::array<Counter, kPhases>, kKernels> g_counters;
 
-constexpr const char* kKernelNames[kKernels] = {"chunk_forward", "recurrent_forward", "chunk_backward",
-                                                "recurrent_backward"};
-constexpr const char* kPhaseNames[kPhases] = {"gather",
-                                              "decay factors",
-                                              "L and P",
-                                              "WY solve",
-                                              "state products",
-                                              "P Vn",
-                                              "recurrent sweep",
-                                              "state tiles",
-                                              "output store",
-                                              "states recompute",
-                                              "state products (grad)",
-                                              "dP and dL",
-                                              "WY solve (grad)",
-                                              "intra-chunk pairs",
-                                              "gate, beta, dv / dg stores",
-                                              "dq / dk group, stores",
-                                              "reverse sweep"};
+// Indexed by Kernel and Phase; a name missing for a new enumerator fails to compile.
+constexpr std::array<const char*, kKernels> kKernelNames = {"chunk_forward", "recurrent_forward",
+                                                            "chunk_backward", "recurrent_backward"};
+constexpr std::array<const char*, kPhases> kPhaseNames = {"gather",
+                                                          "decay factors",
+                                                          "L and P",
+                                                          "WY solve",
+                                                          "state products",
+                                                          "P Vn",
+                                                          "recurrent sweep",
+                                                          "state tiles",
+                                                          "output store",
+                                                          "states recompute",
+                                                          "state products (grad)",
+                                                          "dP and dL",
+                                                          "WY solve (grad)",
+                                                          "intra-chunk pairs",
+                                                          "gate, beta, dv / dg stores",
+                                                          "dq / dk group, stores",
+                                                          "reverse sweep"};
+static_assert(kKernelNames.back() != nullptr && kPhaseNames.back() != nullptr,
+              "a kernel or phase has no name");
 
 }  // namespace
 
@@ -67,7 +70,7 @@ std::vector<PhaseTime> read() {
       const auto& c = core::g_counters[static_cast<size_t>(k)][static_cast<size_t>(p)];
       const int64_t count = c.count.load(std::memory_order_relaxed);
       if (count == 0) continue;
-      out.push_back({core::kKernelNames[k], core::kPhaseNames[p],
+      out.push_back({core::kKernelNames[static_cast<size_t>(k)], core::kPhaseNames[static_cast<size_t>(p)],
                      static_cast<double>(c.ns.load(std::memory_order_relaxed)) * 1e-9, count});
     }
   return out;

@@ -194,9 +194,16 @@ struct PrefetchShare {
   const RowPrefetch* pf[kMax] = {nullptr, nullptr};
   int64_t first[kMax] = {0, 0}, count[kMax] = {0, 0};
 
+  // Share `part` of `parts` of the rows of a and b.
+  PrefetchShare(const RowPrefetch& a, const RowPrefetch& b, int64_t part, int64_t parts) : pf{&a, &b} {
+    for (int x = 0; x < kMax; ++x) {
+      first[x] = part * pf[x]->rows / parts;
+      count[x] = (part + 1) * pf[x]->rows / parts - first[x];
+    }
+  }
+
   HWY_INLINE void step(int64_t t, int64_t steps) const {
     for (int x = 0; x < kMax; ++x) {
-      if (pf[x] == nullptr) continue;
       for (int64_t i = first[x] + t * count[x] / steps; i < first[x] + (t + 1) * count[x] / steps; ++i)
         (*pf[x])(i);
     }
@@ -412,13 +419,7 @@ void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const For
     }
     for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += S.W, ++cb) {
       const int nv = static_cast<int>(S.width(c0) / L);
-      PrefetchShare share;
-      share.pf[0] = &next_in, share.pf[1] = &this_out;
-      for (int x = 0; x < 2; ++x) {
-        const int64_t rows = share.pf[x]->rows;
-        share.first[x] = cb * rows / blocks;
-        share.count[x] = (cb + 1) * rows / blocks - share.first[x];
-      }
+      const PrefetchShare share(next_in, this_out, cb, blocks);
       forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, cur.q.data(), cur.k.data(), cur.e.data(),
                                         cur.beta.data(), cur.v.data() + c0, w.o.data() + c0, S.block(c0),
                                         plan.scale, share);

@@ -313,8 +313,8 @@ inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n
   for (; i < n; ++i) dst[i] = core::bf16_to_float(src[i]);
 }
 
-// Writes n floats to row (b, t, h): core::store_row in this target's vectors (bf16 rounded to nearest
-// even, NaN kept NaN, as core::float_to_bf16).
+// Writes n floats to row (b, t, h), bf16 rounded to nearest even with NaN kept NaN, bit for bit as
+// core::float_to_bf16 (which the scalar tail uses).
 inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_t n,
                       const float* HWY_RESTRICT src) {
   const DF d;
