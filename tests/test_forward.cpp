@@ -321,6 +321,35 @@ TEST(ForwardDeterminism, ThreadCounts) {
   }
 }
 
+// The recurrent forward works on groups of adjacent value heads, fewer heads per group the more
+// threads share the heads (1, 2 and 4 threads give groups of 4, 2 and 1 heads here, the last group
+// smaller). Heads are independent: every grouping gives the same bits, for packed and strided views.
+TEST(ForwardDeterminism, HeadGroupings) {
+  for (const bool strided : {false, true}) {
+    SCOPED_TRACE(strided ? "strided" : "packed");
+    Case c;
+    c.T = 150;
+    c.H = 7;
+    c.HV = 7;
+    c.K = 32;
+    c.V = 48;
+    c.strided = strided;
+    c.dtype = strided ? DType::bf16 : DType::f32;
+    c.initial_state = true;
+    c.seed = 710;
+    Data d;
+    make_data(c, d);
+    const ForwardRun one = run_forward(Kernel::recurrent, d, RunOptions{1});
+    for (int threads : {2, 4}) {
+      SCOPED_TRACE(threads);
+      const ForwardRun many = run_forward(Kernel::recurrent, d, RunOptions{threads});
+      EXPECT_TRUE(bitwise_equal(one.out.o, many.out.o)) << "o";
+      EXPECT_TRUE(bitwise_equal(one.out.final_state, many.out.final_state)) << "final state";
+      EXPECT_TRUE(bitwise_equal(one.out.chunk_states, many.out.chunk_states)) << "chunk states";
+    }
+  }
+}
+
 // chunk_forward's automatic choice (cpu::prefill_prefers_recurrent: the recurrent kernel on every
 // shape today) gives exactly what that kernel gives, states included; an explicit forward_kernel
 // runs the kernel it names; an unknown one is an error naming the option.

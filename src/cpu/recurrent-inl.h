@@ -157,30 +157,37 @@ void blocked_to_panels(const BlockedState& S, int64_t V, float* dst) {
   });
 }
 
-// Prefetches rows of one (sequence, head) while a block is computed: consecutive tokens of one head
-// are a whole [H, K] row apart, each in its own page, which the hardware prefetchers do not follow.
+// Prefetches rows of one sequence while a block is computed: consecutive tokens of one head are a
+// whole [H, K] row apart, each in its own page, which the hardware prefetchers do not follow. Each
+// entry covers `heads` adjacent heads of one tensor (one contiguous run when the heads are packed).
 struct RowPrefetch {
   static constexpr int kMax = 5;
   const char* base[kMax];
-  int64_t stride[kMax];  // bytes between consecutive tokens
-  int64_t bytes[kMax];   // bytes of one row
+  int64_t stride[kMax];       // bytes between consecutive tokens
+  int64_t head_stride[kMax];  // bytes between adjacent heads
+  int64_t heads[kMax];
+  int64_t bytes[kMax];  // bytes of one head's row
   int count = 0;
   int64_t rows = 0;  // rows available to prefetch
 
   template <typename View>
-  void add(const View& v, int64_t b, int64_t t, int64_t h, int64_t n) {
+  void add(const View& v, int64_t b, int64_t t, int64_t h, int64_t n, int64_t nh) {
     base[count] = reinterpret_cast<const char*>(core::element_ptr(v, b, t, h));
     const int64_t es = static_cast<int64_t>(core::dtype_size(v.dtype));
     stride[count] = v.stride_t * es;
+    head_stride[count] = v.stride_h * es;
+    heads[count] = nh;
     bytes[count] = n * es;
     ++count;
   }
   HWY_INLINE void operator()(int64_t i) const {
     if (i >= rows) return;
     for (int x = 0; x < count; ++x) {
-      const char* p = base[x] + i * stride[x];
-      for (int64_t off = 0; off < bytes[x]; off += 64) hwy::Prefetch(p + off);
-      hwy::Prefetch(p + bytes[x] - 1);
+      for (int64_t j = 0; j < heads[x]; ++j) {
+        const char* p = base[x] + i * stride[x] + j * head_stride[x];
+        for (int64_t off = 0; off < bytes[x]; off += 64) hwy::Prefetch(p + off);
+        hwy::Prefetch(p + bytes[x] - 1);
+      }
     }
   }
 };
@@ -210,17 +217,19 @@ struct PrefetchShare {
   }
 };
 
-// The rows of tokens [t_begin, t_begin + n) of one (sequence, value head) that load_chunk_rows reads.
+// The rows of tokens [t_begin, t_begin + n) of value heads [hv0, hv0 + heads) of one sequence that
+// load_chunk_rows reads.
 RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                          int64_t hv, int64_t t_begin, int64_t n) {
+                          int64_t hv0, int64_t heads, int64_t t_begin, int64_t n) {
   RowPrefetch pf;
   if (n <= 0) return pf;
-  const int64_t b = seq.batch_index, t = seq.first_token + t_begin, h = hv / plan.group;
-  pf.add(in.q, b, t, h, plan.K);
-  pf.add(in.k, b, t, h, plan.K);
-  pf.add(in.v, b, t, hv, plan.V);
-  pf.add(in.g, b, t, hv, plan.K);
-  pf.add(in.beta, b, t, hv, 1);
+  const int64_t b = seq.batch_index, t = seq.first_token + t_begin;
+  const int64_t h0 = hv0 / plan.group, qk_heads = (hv0 + heads - 1) / plan.group - h0 + 1;
+  pf.add(in.q, b, t, h0, plan.K, qk_heads);
+  pf.add(in.k, b, t, h0, plan.K, qk_heads);
+  pf.add(in.v, b, t, hv0, plan.V, heads);
+  pf.add(in.g, b, t, hv0, plan.K, heads);
+  pf.add(in.beta, b, t, hv0, 1, heads);
   pf.rows = n;
   return pf;
 }
@@ -337,106 +346,129 @@ void exp_rows(float* g, int64_t n, int64_t Kp) {
   for (int64_t i = 0; i < n * Kp; i += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + i)), d, g + i);
 }
 
-// Rows of one block of up to kC tokens: q, k, e = exp(g) [kC][Kp], v [kC][Vp], beta [kC].
+// Rows of one block of up to kC tokens of a group of value heads, head after head: per head q, k,
+// e = exp(g) [kC][Kp], v [kC][Vp], beta [kC].
 struct BlockRows {
+  int64_t Kp, Vp;
   Buffer<float> q, k, v, e, beta;
-  BlockRows(int64_t Kp, int64_t Vp) {
-    q.reset(kC * Kp), k.reset(kC * Kp), e.reset(kC * Kp), v.reset(kC * Vp), beta.reset(kC);
+  BlockRows(int64_t Kp_, int64_t Vp_, int64_t heads) : Kp(Kp_), Vp(Vp_) {
+    q.reset(heads * kC * Kp), k.reset(heads * kC * Kp), e.reset(heads * kC * Kp);
+    v.reset(heads * kC * Vp), beta.reset(heads * kC);
   }
-  // Rows [first, ...) as load_chunk_rows fills them (g is read into e, then exponentiated in place).
-  ChunkRows from(int64_t first, int64_t Kp, int64_t Vp) const {
-    return {q.data() + first * Kp,
-            k.data() + first * Kp,
-            v.data() + first * Vp,
-            e.data() + first * Kp,
-            beta.data() + first,
+  // Head j's rows [first, ...) as load_chunk_rows fills them (g is read into e, then exponentiated in
+  // place).
+  ChunkRows from(int64_t j, int64_t first) const {
+    const int64_t rk = j * kC * Kp + first * Kp;
+    return {q.data() + rk,
+            k.data() + rk,
+            v.data() + j * kC * Vp + first * Vp,
+            e.data() + rk,
+            beta.data() + j * kC + first,
             nullptr,
             nullptr};
   }
 };
 
-// Per-thread memory of the forward walk over one (sequence, value head).
+// Per-thread memory of the forward walk over a group of value heads of one sequence.
 struct ForwardWork {
-  int64_t K, V, Kp, Vp;
-  Buffer<float> S;    // blocked state, K * Vp
-  BlockRows rows[2];  // the block being swept and the next one, gathered during the sweep
-  Buffer<float> o;    // output rows of one block
-  ForwardWork(int64_t K_, int64_t V_)
-      : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), rows{BlockRows(Kp, Vp), BlockRows(Kp, Vp)} {
-    S.reset(K * Vp);
-    o.reset(kC * Vp);
+  int64_t K, V, Kp, Vp, heads;  // room for `heads` value heads
+  Buffer<float> S;              // blocked states, K * Vp per head
+  BlockRows rows[2];            // the block being swept and the next one, gathered during the sweep
+  Buffer<float> o;              // output rows of one block, kC * Vp per head
+  ForwardWork(int64_t K_, int64_t V_, int64_t heads_)
+      : K(K_),
+        V(V_),
+        Kp(padded(K_)),
+        Vp(padded(V_)),
+        heads(heads_),
+        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)} {
+    S.reset(heads * K * Vp);
+    o.reset(heads * kC * Vp);
   }
-  BlockedState state() const { return {K, Vp, block_width(), S.data()}; }
+  BlockedState state(int64_t j) const { return {K, Vp, block_width(), S.data() + j * K * Vp}; }
+  float* output(int64_t j) const { return o.data() + j * kC * Vp; }
 };
 
-// Gathers rows [first, first + count) of the block starting at token t_begin into `rows`.
+// Gathers rows [first, first + count) of the block starting at token t_begin of `heads` value heads
+// from hv0 into `rows`, token by token: the heads' rows of one token are adjacent in memory (a
+// contiguous run when the heads are packed), which the hardware streams; one head's rows of
+// consecutive tokens are a page apart each.
 inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                              int64_t hv, int64_t t_begin, int64_t first, int64_t count,
-                              const BlockRows& rows, int64_t Kp, int64_t Vp) {
+                              int64_t hv0, int64_t heads, int64_t t_begin, int64_t first, int64_t count,
+                              const BlockRows& rows) {
   if (count <= 0) return;
-  load_chunk_rows(plan, in, seq, hv, t_begin + first, count, rows.from(first, Kp, Vp));
-  exp_rows(rows.e.data() + first * Kp, count, Kp);
+  for (int64_t i = first; i < first + count; ++i)
+    for (int64_t j = 0; j < heads; ++j)
+      load_chunk_rows(plan, in, seq, hv0 + j, t_begin + i, 1, rows.from(j, i));
+  for (int64_t j = 0; j < heads; ++j) exp_rows(rows.from(j, first).g, count, rows.Kp);
 }
 
-// Walks one (sequence, value head) forward. With `out` it writes o, chunk_states and final_state;
-// without it (the backward's checkpoint pass) it writes the state entering every segment, in
-// panels, into ckpt. Phases are timed on `clock`.
+// Walks value heads [hv0, hv0 + heads) of one sequence forward (heads <= w.heads). With `out` it
+// writes o, chunk_states and final_state; without it (the backward's checkpoint pass, one head) it
+// writes the state entering every segment, in panels, into ckpt. Phases are timed on `clock`.
 //
 // Memory: consecutive tokens of a head are a whole [H, K] row apart, each row in its own page, and
 // at the power-of-two strides of real shapes the rows of q, k, v and g of 64 tokens fall into a few
 // cache sets. So the next block is gathered in slices during the sweep of this one: after each
-// column block, the slice of rows prefetched while it ran; the rows in flight at any time stay few.
+// column block of each head, the slice of tokens prefetched while it ran; the rows in flight at any
+// time stay few. The heads of a group are gathered and stored token by token (see gather_block_rows).
 template <bool kOutput>
-void forward_sequence(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out,
-                      int64_t n_seq, int64_t hv, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
+void forward_heads(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out, int64_t n_seq,
+                   int64_t hv0, int64_t heads, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
-  const BlockedState S = w.state();
-  const int64_t L = lanes();
-  const int64_t blocks = (Vp + S.W - 1) / S.W;  // column blocks
-  load_blocked(plan, plan.initial[n_seq], hv, S);
+  const int64_t L = lanes(), W = block_width();
+  const int64_t blocks = (Vp + W - 1) / W;  // column blocks per head
+  for (int64_t j = 0; j < heads; ++j) load_blocked(plan, plan.initial[n_seq], hv0 + j, w.state(j));
   clock.lap(core::Phase::state_io);
-  gather_block_rows(plan, in, seq, hv, 0, 0, std::min(kC, seq.length), w.rows[0], Kp, Vp);
+  gather_block_rows(plan, in, seq, hv0, heads, 0, 0, std::min(kC, seq.length), w.rows[0]);
   clock.lap(core::Phase::gather);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += kC, ++c) {
     const int64_t n = std::min(kC, seq.length - t0);
     const BlockRows& cur = w.rows[c % 2];
     const BlockRows& next = w.rows[(c + 1) % 2];
     const int64_t next_n = std::min(kC, seq.length - t0 - kC);  // <= 0 after the last block
-    if constexpr (kOutput) {
-      if (out->chunk_states != nullptr)
-        store_blocked(plan, S, plan.packed(out->chunk_states, seq.first_chunk + c), hv);
-    } else {
-      blocked_to_panels(S, V, ckpt + c * V * Kp);
+    for (int64_t j = 0; j < heads; ++j) {
+      if constexpr (kOutput) {
+        if (out->chunk_states != nullptr)
+          store_blocked(plan, w.state(j), plan.packed(out->chunk_states, seq.first_chunk + c), hv0 + j);
+      } else {
+        blocked_to_panels(w.state(j), V, ckpt + c * V * Kp);
+      }
     }
     clock.lap(core::Phase::state_io);
     // Prefetched during the sweep: the next block's input rows and this block's output rows.
-    const RowPrefetch next_in = rows_prefetch(plan, in, seq, hv, t0 + kC, next_n);
+    const RowPrefetch next_in = rows_prefetch(plan, in, seq, hv0, heads, t0 + kC, next_n);
     RowPrefetch this_out;
     if constexpr (kOutput) {
-      this_out.add(out->o, seq.batch_index, seq.first_token + t0, hv, V);
+      this_out.add(out->o, seq.batch_index, seq.first_token + t0, hv0, V, heads);
       this_out.rows = n;
     }
-    for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += S.W, ++cb) {
-      const int nv = static_cast<int>(S.width(c0) / L);
-      const PrefetchShare share(next_in, this_out, cb, blocks);
-      forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, cur.q.data(), cur.k.data(), cur.e.data(),
-                                        cur.beta.data(), cur.v.data() + c0, w.o.data() + c0, S.block(c0),
-                                        plan.scale, share);
-      clock.lap(core::Phase::recurrent_sweep);
-      if (next_n > 0) {
-        gather_block_rows(plan, in, seq, hv, t0 + kC, share.first[0], share.count[0], next, Kp, Vp);
-        clock.lap(core::Phase::gather);
+    for (int64_t j = 0; j < heads; ++j) {
+      const BlockedState S = w.state(j);
+      const ChunkRows rows = cur.from(j, 0);
+      for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
+        const int nv = static_cast<int>(S.width(c0) / L);
+        const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
+        forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
+                                          w.output(j) + c0, S.block(c0), plan.scale, share);
+        clock.lap(core::Phase::recurrent_sweep);
+        if (next_n > 0) {
+          gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
+          clock.lap(core::Phase::gather);
+        }
       }
     }
     if constexpr (kOutput) {
       for (int64_t i = 0; i < n; ++i)
-        store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
+        for (int64_t j = 0; j < heads; ++j)
+          store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv0 + j, V, w.output(j) + i * Vp);
       clock.lap(core::Phase::store);
     }
   }
   if constexpr (kOutput) {
-    if (plan.final[n_seq]) store_blocked(plan, S, plan.final[n_seq], hv);
+    if (plan.final[n_seq])
+      for (int64_t j = 0; j < heads; ++j) store_blocked(plan, w.state(j), plan.final[n_seq], hv0 + j);
     clock.lap(core::Phase::state_io);
   }
 }

@@ -186,7 +186,7 @@ HWY_INLINE void pass_ba(int64_t Kp, const float* HWY_RESTRICT S0, float* HWY_RES
 // Per-thread memory of the backward over one (sequence, q/k head).
 struct BackwardWork {
   int64_t K, V, Kp, Vp;
-  ForwardWork fwd;                              // checkpoint pass
+  ForwardWork fwd;                              // checkpoint pass (one head)
   Buffer<float> ckpt;                           // [segments][V * Kp]: states entering each segment (panels)
   Buffer<float> dS;                             // [V * Kp]: gradient of the current state (panels)
   Buffer<float> q, qs, k, g, e, v, dout, beta;  // rows of one segment
@@ -196,7 +196,7 @@ struct BackwardWork {
   Buffer<float> dQ, dK;                         // [len][Kp]: dq, dk of the item summed over its group
   Buffer<float> graw;                           // [kC][Kp]: raw gate input (fused gates)
   Buffer<float> row;                            // [Kp] scratch
-  BackwardWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), fwd(K_, V_) {
+  BackwardWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), fwd(K_, V_, 1) {
     dS.reset(V * Kp);
     q.reset(kC * Kp), qs.reset(kC * Kp), k.reset(kC * Kp), g.reset(kC * Kp), e.reset(kC * Kp);
     v.reset(kC * Vp), dout.reset(kC * Vp), beta.reset(kC);
@@ -380,7 +380,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   for (int64_t hv = h * plan.group; hv < (h + 1) * plan.group; ++hv) {
     if (own_ckpt) {
       const core::PhaseClock::Redirect as_recompute(clock, core::Phase::states_recompute);
-      forward_sequence<false>(plan, f, nullptr, n_seq, hv, w.fwd, w.ckpt.data(), clock);
+      forward_heads<false>(plan, f, nullptr, n_seq, hv, 1, w.fwd, w.ckpt.data(), clock);
     }
 
     // Gradient of the final state, in panels.

@@ -18,14 +18,31 @@
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 
+constexpr int64_t kMaxHeadsPerItem = 8;
+
+// Value heads per work item. The rows of adjacent heads of one token are adjacent in memory, so a
+// group of heads reads each token's rows as one run, where one head alone reads 512-byte rows a
+// whole [H, K] row apart (a stand-alone copy of 8 adjacent heads' rows per token ran 1.4-1.7x faster
+// than head by head). Groups are halved while there would be fewer than two items per thread. Heads
+// are computed independently, so the grouping changes no result.
+int64_t heads_per_item(const core::Plan& plan, int threads) {
+  int64_t heads = std::min<int64_t>(kMaxHeadsPerItem, plan.HV);
+  const auto items = [&](int64_t g) { return plan.num_sequences() * ((plan.HV + g - 1) / g); };
+  while (heads > 1 && items(heads) < 2 * static_cast<int64_t>(threads)) heads = (heads + 1) / 2;
+  return heads;
+}
+
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                       core::Runner& run) {
-  const int64_t items = plan.num_sequences() * plan.HV;
-  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V);
+  const int64_t heads = heads_per_item(plan, run.threads());
+  const int64_t groups = (plan.HV + heads - 1) / heads;
+  const int64_t items = plan.num_sequences() * groups;
+  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
   run.parallel_for(items, [&](int64_t item, int worker) {
     core::PhaseClock clock(core::Kernel::recurrent_forward);
-    forward_sequence<true>(plan, in, &out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)],
-                           nullptr, clock);
+    const int64_t hv0 = item % groups * heads;
+    forward_heads<true>(plan, in, &out, item / groups, hv0, std::min(heads, plan.HV - hv0),
+                        *work[static_cast<size_t>(worker)], nullptr, clock);
   });
 }
 
