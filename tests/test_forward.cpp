@@ -322,11 +322,18 @@ TEST(ForwardDeterminism, ThreadCounts) {
 }
 
 // The recurrent forward works on groups of adjacent value heads, fewer heads per group the more
-// threads share the heads (1, 2 and 4 threads give groups of 4, 2 and 1 heads here, the last group
-// smaller). Heads are independent: every grouping gives the same bits, for packed and strided views.
+// threads share the items. Heads are independent: every grouping gives the same bits.
+//   H = HV = 7, one sequence: 1, 2, 4 threads give groups of 4 (+3), 2 (+1) and 1 heads (packed
+//   f32 and strided bf16 views);
+//   H = 2, HV = 8 (GVA 4), five sequences: 1, 4, 8, 16 threads give groups of 8 (both q/k heads' value
+//   heads in one group), 4, 2 and 1.
 TEST(ForwardDeterminism, HeadGroupings) {
+  struct Grouping {
+    Case c;
+    std::vector<int> threads;
+  };
+  std::vector<Grouping> cases;
   for (const bool strided : {false, true}) {
-    SCOPED_TRACE(strided ? "strided" : "packed");
     Case c;
     c.T = 150;
     c.H = 7;
@@ -337,12 +344,31 @@ TEST(ForwardDeterminism, HeadGroupings) {
     c.dtype = strided ? DType::bf16 : DType::f32;
     c.initial_state = true;
     c.seed = 710;
+    cases.push_back({c, {1, 2, 4}});
+  }
+  {
+    Case c;
+    c.lengths = {1, 63, 130, 0, 17};
+    c.H = 2;
+    c.HV = 8;
+    c.K = 16;
+    c.V = 32;
+    c.initial_state = true;
+    c.gate = GateMode::softplus;
+    c.qk_l2norm = true;
+    c.seed = 711;
+    cases.push_back({c, {1, 4, 8, 16}});
+  }
+  for (const Grouping& g : cases) {
+    SCOPED_TRACE(g.c.name());
     Data d;
-    make_data(c, d);
-    const ForwardRun one = run_forward(Kernel::recurrent, d, RunOptions{1});
-    for (int threads : {2, 4}) {
-      SCOPED_TRACE(threads);
-      const ForwardRun many = run_forward(Kernel::recurrent, d, RunOptions{threads});
+    make_data(g.c, d);
+    const ForwardRun one = run_forward(Kernel::recurrent, d, RunOptions{g.threads[0]});
+    EXPECT_TRUE(one.padding_ok);
+    for (size_t i = 1; i < g.threads.size(); ++i) {
+      SCOPED_TRACE(g.threads[i]);
+      const ForwardRun many = run_forward(Kernel::recurrent, d, RunOptions{g.threads[i]});
+      EXPECT_TRUE(many.padding_ok);
       EXPECT_TRUE(bitwise_equal(one.out.o, many.out.o)) << "o";
       EXPECT_TRUE(bitwise_equal(one.out.final_state, many.out.final_state)) << "final state";
       EXPECT_TRUE(bitwise_equal(one.out.chunk_states, many.out.chunk_states)) << "chunk states";

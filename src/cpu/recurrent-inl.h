@@ -159,7 +159,7 @@ void blocked_to_panels(const BlockedState& S, int64_t V, float* dst) {
 
 // Prefetches rows of one sequence while a block is computed: consecutive tokens of one head are a
 // whole [H, K] row apart, each in its own page, which the hardware prefetchers do not follow. Each
-// entry covers `heads` adjacent heads of one tensor (one contiguous run when the heads are packed).
+// entry covers `heads` adjacent heads of one tensor (one run when the heads are packed).
 struct RowPrefetch {
   static constexpr int kMax = 5;
   const char* base[kMax];
@@ -178,6 +178,10 @@ struct RowPrefetch {
     head_stride[count] = v.stride_h * es;
     heads[count] = nh;
     bytes[count] = n * es;
+    if (v.stride_h == n) {  // packed heads: one run (beta's heads share a line)
+      heads[count] = 1;
+      bytes[count] = nh * n * es;
+    }
     ++count;
   }
   HWY_INLINE void operator()(int64_t i) const {
@@ -415,6 +419,7 @@ inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, c
 template <bool kOutput>
 void forward_heads(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out, int64_t n_seq,
                    int64_t hv0, int64_t heads, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
+  HWY_DASSERT(kOutput || heads == 1);  // the checkpoints are one head's
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
   const int64_t L = lanes(), W = block_width();

@@ -21,10 +21,10 @@ namespace kda::cpu::HWY_NAMESPACE {
 // Value heads per work item. The rows of adjacent heads of one token are adjacent in memory, so a
 // group of heads reads each token's rows as one run, where one head alone reads rows a whole [H, K]
 // row apart (a stand-alone copy of 8 adjacent heads' 512-byte rows per token ran 1.4-1.7x faster
-// than head by head; the prefill at T=8192, H=32, K=V=128 took ~20% less time with groups of 8).
-// The group is at most 8 heads and ~4 MB of per-thread memory (states and two blocks of rows), and
-// is halved while there would be fewer than two items per thread. Heads are computed independently,
-// so the grouping changes no result.
+// than head by head; in the prefill at T=8192, H=32, K=V=128 the gather's memory cost, seen with the
+// prefetches off, halved). The group is at most 8 heads and ~4 MB of per-thread memory (states, two
+// blocks of rows and the output rows), and is halved while there would be fewer than two items per
+// thread. Heads are computed independently, so the grouping changes no result.
 constexpr int64_t kMaxHeadsPerItem = 8;
 constexpr int64_t kMaxItemBytes = int64_t{4} << 20;
 
