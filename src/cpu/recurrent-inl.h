@@ -391,6 +391,11 @@ struct ForwardWork {
   }
   BlockedState state(int64_t j) const { return {K, Vp, block_width(), S.data() + j * K * Vp}; }
   float* output(int64_t j) const { return o.data() + j * kC * Vp; }
+  // The bytes the constructor allocates per head.
+  static int64_t bytes_per_head(int64_t K, int64_t V) {
+    const int64_t Kp = padded(K), Vp = padded(V);
+    return static_cast<int64_t>(sizeof(float)) * (K * Vp + 2 * kC * (3 * Kp + Vp + 1) + kC * Vp);
+  }
 };
 
 // Gathers rows [first, first + count) of the block starting at token t_begin of `heads` value heads

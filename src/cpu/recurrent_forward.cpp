@@ -29,9 +29,7 @@ constexpr int64_t kMaxHeadsPerItem = 8;
 constexpr int64_t kMaxItemBytes = int64_t{4} << 20;
 
 int64_t heads_per_item(const core::Plan& plan, int threads) {
-  const int64_t Kp = padded(plan.K), Vp = padded(plan.V);
-  const int64_t head_bytes =
-      static_cast<int64_t>(sizeof(float)) * (plan.K * Vp + 2 * kC * (3 * Kp + Vp + 1) + kC * Vp);
+  const int64_t head_bytes = ForwardWork::bytes_per_head(plan.K, plan.V);
   int64_t heads =
       std::clamp<int64_t>(kMaxItemBytes / head_bytes, 1, std::min<int64_t>(kMaxHeadsPerItem, plan.HV));
   const auto items = [&](int64_t g) { return plan.num_sequences() * ((plan.HV + g - 1) / g); };
