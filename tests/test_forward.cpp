@@ -292,6 +292,57 @@ TEST(ForwardLong, T4096OneHead) {
   check_both_kernels(c);
 }
 
+// The recurrent sweep keeps the state anchored at the start of a run of tokens and starts a new run
+// where some channel's decay since the run's start would fall below 2^-20 (recurrent-inl.h). Gates
+// that place the run starts on purpose: every token (a channel at e^-15 per token), every third
+// token (2^-7 per token: a step of two tokens, then one), at the threshold itself (2^-5 per token),
+// and -1000 spikes on consecutive tokens inside runs; blocks of 64 cut the runs; V = 40 leaves a
+// partial column block.
+TEST(ForwardAnchoredRuns, RunStartsPlacedByTheGates) {
+  Case c;
+  c.T = 150;
+  c.H = 2;
+  c.HV = 4;
+  c.K = 32;
+  c.V = 40;
+  c.initial_state = true;
+  c.seed = 610;
+  SCOPED_TRACE(c.name());
+  Data d;
+  make_data(c, d);
+  const double ln2 = std::log(2.0);
+  for (int64_t t = 0; t < c.T; ++t) {
+    d.g.set(0, t, 0, 3, -15.0);
+    d.g.set(0, t, 1, 5, -7.0 * ln2);
+    d.g.set(0, t, 2, 0, -5.0 * ln2);
+    if (t == 5 || t == 6 || t == 70 || t == 133) d.g.set(0, t, 3, 7, -1000.0);
+  }
+  const reference::ForwardResult ref = oracle_forward(d);
+  for (Kernel k : kKernels) check_parity(k, d, ref);
+}
+
+// The anchored state holds each update scaled by up to 2^20: values of 1e25 (states of ~1e25) stay
+// far from overflow, and runs of two tokens each (e^-13.8 per token in one channel, the others
+// without decay) still meet the tolerance.
+TEST(ForwardAnchoredRuns, LargeValuesInShortRuns) {
+  Case c;
+  c.T = 130;
+  c.K = 64;
+  c.V = 64;
+  c.regime = Regime::zero;
+  c.seed = 611;
+  SCOPED_TRACE(c.name());
+  Data d;
+  make_data(c, d);
+  for (int64_t t = 0; t < c.T; ++t) {
+    d.g.set(0, t, 0, 9, -13.8);
+    for (int64_t i = 0; i < c.V; ++i) d.v.set(0, t, 0, i, 1e25 * d.v.get(0, t, 0, i));
+  }
+  const reference::ForwardResult ref = oracle_forward(d);
+  ASSERT_TRUE(all_finite(ref.o));
+  for (Kernel k : kKernels) check_parity(k, d, ref);
+}
+
 // Bitwise identical results whatever the thread count; requesting states does not change o.
 TEST(ForwardDeterminism, ThreadCounts) {
   Case c;

@@ -44,6 +44,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "core/phase_clock.hpp"
@@ -238,106 +239,223 @@ RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const
   return pf;
 }
 
-// Runs tokens [0, n) of one block of rows through one column block Sb [K][NV * L].
-// q, k, e: [n][Kp] (e = exp(g)); v, o: [n][Vp], already offset to the block's first column.
+// Decay anchored at the start of a sub-block. Multiplying the state by diag(e^{g_t}) at every token
+// is one of the four vector operations per state element and token. Within a run of tokens
+// t0..t1 of a block, with D_t = prod_{t0 < s <= t} e^{g_s} (per key channel), the state is kept as
+// S~ = diag(D_t)^-1 S, which the tokens of the run update without any decay:
+//   u_t = (k_t * D_t)^T S~      S~ += (k_t / D_t) r_t^T      o_t = scale (q_t * D_t)^T S~
+// and the run's decay is applied once, where the next run starts or the block ends. Each term of
+// S~ times D_t is the term of S itself, so the rounding errors are those of the plain recurrence.
+// A run ends before the token where some channel's D would fall below kMinRunDecay: 1 / D then
+// stays below 2^20, far from overflow; a strong decay only makes runs short (one token at worst,
+// which is the plain recurrence).
+constexpr float kMinRunDecay = 1.0f / static_cast<float>(1 << 20);
+
+// One head's block rows as the anchored sweep reads them (anchor_rows writes them in place).
+struct AnchoredRows {
+  const float* q;         // [n][Kp]: q_t * D_t
+  const float* k;         // [n][Kp]: k_t * D_t
+  const float* k_up;      // [n][Kp]: k_t / D_t, the update's key row
+  const float* start;     // [n][Kp]: row t, where a run starts at t: the decay applied before token t
+  const uint8_t* starts;  // [n]: 1 where a run starts (always at token 0)
+  const float* last;      // [Kp]: D of the last token, applied after it
+  const float* qk_same;   // [n]: q_t . k_up_t (= q_t . k_t)
+  const float* qk_next;   // [n]: q_{t+1} . k_up_t    } within a run: what token t's update adds
+  const float* kk_next;   // [n]: k_{t+1} . k_up_t    } to o_{t+1} and u_{t+1}
+  const float* beta;      // [n]
+  const float* v;         // [n][Vp], offset to the column block
+};
+
+// anchor_rows' scratch, per thread (shared by the heads of an item, one head at a time).
+struct AnchorWork {
+  Buffer<float> k_up, last, dots;  // [kC][Kp], [Kp], 3 x [kC]
+  Buffer<uint8_t> starts;          // [kC]
+  explicit AnchorWork(int64_t Kp) {
+    k_up.reset(kC * Kp), last.reset(Kp), dots.reset(3 * kC), starts.reset(kC);
+  }
+};
+
+// Rewrites rows [0, n) of one head's block for the anchored sweep: q and k are scaled by D_t in
+// place, e (exp(g)) becomes the run-start decay at the tokens where a run starts, and the rest of
+// AnchoredRows (but v) is filled into a.
+AnchoredRows anchor_rows(int64_t n, int64_t Kp, float* q, float* k, float* e, const float* beta,
+                         const AnchorWork& a) {
+  const DF d;
+  const int64_t L = lanes();
+  const VF one = hn::Set(d, 1.0f);
+  float* last = a.last.data();
+  float* k_up = a.k_up.data();
+  for (int64_t i = 0; i < Kp; i += L) hn::StoreU(one, d, last + i);  // D of the run so far
+  for (int64_t t = 0; t < n; ++t) {
+    float* et = e + t * Kp;
+    bool start = t == 0;  // a block's first token starts a run: e_0 decays the incoming state
+    if (!start) {
+      VF lowest = one;
+      for (int64_t i = 0; i < Kp; i += L)
+        lowest = hn::Min(lowest, hn::Mul(hn::LoadU(d, last + i), hn::LoadU(d, et + i)));
+      start = hn::GetLane(hn::MinOfLanes(d, lowest)) < kMinRunDecay;
+    }
+    a.starts.data()[t] = start ? 1 : 0;
+    for (int64_t i = 0; i < Kp; i += L) {
+      VF D = hn::Mul(hn::LoadU(d, last + i), hn::LoadU(d, et + i));
+      if (start) {
+        if (t > 0) hn::StoreU(D, d, et + i);  // the previous run's decay through token t
+        D = one;
+      }
+      hn::StoreU(D, d, last + i);
+      const VF kt = hn::LoadU(d, k + t * Kp + i);
+      hn::StoreU(hn::Div(kt, D), d, k_up + t * Kp + i);
+      hn::StoreU(hn::Mul(kt, D), d, k + t * Kp + i);
+      hn::StoreU(hn::Mul(hn::LoadU(d, q + t * Kp + i), D), d, q + t * Kp + i);
+    }
+  }
+  float* qk_same = a.dots.data();
+  float* qk_next = qk_same + kC;
+  float* kk_next = qk_next + kC;
+  for (int64_t t = 0; t < n; ++t) {
+    qk_same[t] = dot(q + t * Kp, k_up + t * Kp, Kp);
+    qk_next[t] = t + 1 < n ? dot(q + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
+    kk_next[t] = t + 1 < n ? dot(k + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
+  }
+  return {q, k, k_up, e, a.starts.data(), last, qk_same, qk_next, kk_next, beta, nullptr};
+}
+
+// One pass over the rows of a column block Sb [K][NV * L]: adds the previous step's kPrev updates
+// k_up r^T, scales the rows by `factor` (kScale), then accumulates u = k^T S and o = q^T S for the
+// kCur tokens of this step (token c's sums at c * NV + j). The state is read and written once per
+// step, however many tokens it has: a step of two tokens halves the loads and stores, which bound
+// a pass of one token (its three FMAs per vector would take 1.5 cycles; its load and store 2).
+template <int NV, int kPrev, int kCur, bool kScale, bool kOutput>
+HWY_INLINE void state_pass(int64_t K, float* HWY_RESTRICT Sb, const float* const* up,
+                           const VectorArray<2 * NV>& rp, const float* factor, const float* const* kr,
+                           const float* const* qr, VectorArray<2 * NV>& u_out, VectorArray<2 * NV>& o_out) {
+  const DF d;
+  const int64_t L = lanes();
+  const int64_t W = NV * L;
+  // Local copies: sums and row pointers kept behind the references would be reloaded at every row
+  // (the state's stores might alias them).
+  const VectorArray<2 * NV> r_prev = rp;
+  const float* const up_rows[2] = {up[0], up[1]};
+  const float* const k_rows[2] = {kr ? kr[0] : nullptr, kr ? kr[1] : nullptr};
+  const float* const q_rows[2] = {qr ? qr[0] : nullptr, qr ? qr[1] : nullptr};
+  VectorArray<2 * NV> u, o;
+  for (int i = 0; i < 2 * NV; ++i) u.set(i, hn::Zero(d)), o.set(i, hn::Zero(d));
+  for (int64_t r = 0; r < K; ++r) {
+    float* row = Sb + r * W;
+    VectorArray<NV> s;
+    for (int j = 0; j < NV; ++j) s.set(j, hn::LoadU(d, row + j * L));
+    for (int p = 0; p < kPrev; ++p) {
+      const VF a = hn::Set(d, up_rows[p][r]);
+      for (int j = 0; j < NV; ++j) s.set(j, hn::MulAdd(a, r_prev.get(p * NV + j), s.get(j)));
+    }
+    if constexpr (kScale) {
+      const VF f = hn::Set(d, factor[r]);
+      for (int j = 0; j < NV; ++j) s.set(j, hn::Mul(s.get(j), f));
+    }
+    for (int c = 0; c < kCur; ++c) {
+      const VF x = hn::Set(d, k_rows[c][r]);
+      for (int j = 0; j < NV; ++j) u.set(c * NV + j, hn::MulAdd(x, s.get(j), u.get(c * NV + j)));
+      if constexpr (kOutput) {
+        const VF y = hn::Set(d, q_rows[c][r]);
+        for (int j = 0; j < NV; ++j) o.set(c * NV + j, hn::MulAdd(y, s.get(j), o.get(c * NV + j)));
+      }
+    }
+    for (int j = 0; j < NV; ++j) hn::StoreU(s.get(j), d, row + j * L);
+  }
+  u_out = u, o_out = o;
+}
+
+// state_pass for run-time (prev, cur, scaled): a step has one or two tokens; the first step has no
+// previous updates, the closing pass (cur = 0) no tokens; both scale.
 template <int NV, bool kOutput>
-HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* HWY_RESTRICT q,
-                                  const float* HWY_RESTRICT k, const float* HWY_RESTRICT e,
-                                  const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
+HWY_INLINE void state_pass_dispatch(int prev, int cur, bool scaled, int64_t K, float* Sb,
+                                    const float* const* up, const VectorArray<2 * NV>& rp,
+                                    const float* factor, const float* const* kr, const float* const* qr,
+                                    VectorArray<2 * NV>& u, VectorArray<2 * NV>& o) {
+  const auto run = [&](auto P, auto C, auto S) HWY_ATTR {
+    state_pass<NV, decltype(P)::value, decltype(C)::value, decltype(S)::value, kOutput>(K, Sb, up, rp, factor,
+                                                                                        kr, qr, u, o);
+  };
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  const auto with_prev = [&](auto P) HWY_ATTR {
+    if (cur == 0) return run(P, I0{}, std::true_type{});
+    if (cur == 1) return scaled ? run(P, I1{}, std::true_type{}) : run(P, I1{}, std::false_type{});
+    return scaled ? run(P, I2{}, std::true_type{}) : run(P, I2{}, std::false_type{});
+  };
+  if (prev == 0) return with_prev(I0{});
+  if (prev == 1) return with_prev(I1{});
+  with_prev(I2{});
+}
+
+// Runs tokens [0, n) of one block of anchored rows through one column block Sb [K][NV * L]; o
+// ([n][Vp]) is offset to the block's first column. Tokens go in steps of two within a run (one
+// where the next token starts a run); a step's pass over the state applies the previous step's
+// updates, then accumulates u and o of its tokens, and the second token's u and o are completed
+// with what the first token's update adds:
+//   u_{t+1} += (k_{t+1} . k_up_t) r_t     o_{t+1} += (q_{t+1} . k_up_t) r_t + (q_{t+1} . k_up_{t+1}) r_{t+1}
+template <int NV, bool kOutput>
+HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const AnchoredRows& in,
                                   float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
                                   const PrefetchShare& pf) {
   const DF d;
   const int64_t L = lanes();
-  const int64_t W = NV * L;
-  VectorArray<NV> acc;
-  // Token 0: decay, then u = k^T S1.
-  for (int j = 0; j < NV; ++j) acc.set(j, hn::Zero(d));
-  for (int64_t r = 0; r < K; ++r) {
-    float* row = Sb + r * W;
-    const VF ve = hn::Set(d, e[r]);
-    const VF vk = hn::Set(d, k[r]);
-    for (int j = 0; j < NV; ++j) {
-      const VF s = hn::Mul(hn::LoadU(d, row + j * L), ve);
-      acc.set(j, hn::MulAdd(vk, s, acc.get(j)));
-      hn::StoreU(s, d, row + j * L);
-    }
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    pf.step(t, n);
-    const float* kt = k + t * Kp;
-    const float* qt = q + t * Kp;
-    const VF vb = hn::Set(d, beta[t]);
-    VectorArray<NV> res, out;
-    for (int j = 0; j < NV; ++j) {
-      res.set(j, hn::Mul(vb, hn::Sub(hn::LoadU(d, v + t * Vp + j * L), acc.get(j))));
-      out.set(j, hn::Zero(d));
-      acc.set(j, hn::Zero(d));
-    }
-    if (t + 1 < n) {
-      // Update with r_t and read out o_t, then decay for token t+1 and accumulate k_{t+1}^T S1.
-      const float* en = e + (t + 1) * Kp;
-      const float* kn = k + (t + 1) * Kp;
-      const auto update_row = [&](int64_t r, VectorArray<NV>& o_sum, VectorArray<NV>& u_sum) HWY_ATTR {
-        float* row = Sb + r * W;
-        const VF vk = hn::Set(d, kt[r]);
-        const VF vq = hn::Set(d, qt[r]);
-        const VF ve = hn::Set(d, en[r]);
-        const VF vkn = hn::Set(d, kn[r]);
-        for (int j = 0; j < NV; ++j) {
-          VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) o_sum.set(j, hn::MulAdd(vq, s, o_sum.get(j)));
-          s = hn::Mul(s, ve);
-          u_sum.set(j, hn::MulAdd(vkn, s, u_sum.get(j)));
-          hn::StoreU(s, d, row + j * L);
-        }
-      };
-      // Even and odd rows sum into separate accumulators: one FMA chain per sum would make each
-      // row wait for the previous row's FMA (latency 4-5 cycles, as long as the row's own work).
-      VectorArray<NV> out_odd, acc_odd;
-      for (int j = 0; j < NV; ++j) out_odd.set(j, hn::Zero(d)), acc_odd.set(j, hn::Zero(d));
-      int64_t r = 0;
-      for (; r + 1 < K; r += 2) {
-        update_row(r, out, acc);
-        update_row(r + 1, out_odd, acc_odd);
-      }
-      if (r < K) update_row(r, out, acc);
+  const VF vs = hn::Set(d, scale);
+  VectorArray<2 * NV> rp, u, out;  // the previous step's residuals; this step's sums
+  for (int i = 0; i < 2 * NV; ++i) rp.set(i, hn::Zero(d));
+  int prev = 0;
+  int64_t tp = 0;  // the previous step's first token
+  for (int64_t t = 0; t < n;) {
+    const int cur = (t + 1 < n && !in.starts[t + 1]) ? 2 : 1;
+    for (int c = 0; c < cur; ++c) pf.step(t + c, n);
+    const float* up[2] = {in.k_up + tp * Kp, in.k_up + (tp + 1) * Kp};
+    const float* kr[2] = {in.k + t * Kp, in.k + (t + 1) * Kp};
+    const float* qr[2] = {in.q + t * Kp, in.q + (t + 1) * Kp};
+    state_pass_dispatch<NV, kOutput>(prev, cur, in.starts[t] != 0, K, Sb, up, rp, in.start + t * Kp, kr, qr,
+                                     u, out);
+    const VF b0 = hn::Set(d, in.beta[t]);
+    for (int j = 0; j < NV; ++j)
+      rp.set(j, hn::Mul(b0, hn::Sub(hn::LoadU(d, in.v + t * Vp + j * L), u.get(j))));
+    if (cur == 2) {
+      const VF b1 = hn::Set(d, in.beta[t + 1]);
+      const VF kk = hn::Set(d, in.kk_next[t]);
       for (int j = 0; j < NV; ++j) {
-        acc.set(j, hn::Add(acc.get(j), acc_odd.get(j)));
-        if constexpr (kOutput) out.set(j, hn::Add(out.get(j), out_odd.get(j)));
-      }
-    } else {
-      for (int64_t r = 0; r < K; ++r) {
-        float* row = Sb + r * W;
-        const VF vk = hn::Set(d, kt[r]);
-        const VF vq = hn::Set(d, qt[r]);
-        for (int j = 0; j < NV; ++j) {
-          const VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
-          if constexpr (kOutput) out.set(j, hn::MulAdd(vq, s, out.get(j)));
-          hn::StoreU(s, d, row + j * L);
-        }
+        const VF u1 = hn::MulAdd(kk, rp.get(j), u.get(NV + j));
+        rp.set(NV + j, hn::Mul(b1, hn::Sub(hn::LoadU(d, in.v + (t + 1) * Vp + j * L), u1)));
       }
     }
     if constexpr (kOutput) {
-      const VF vs = hn::Set(d, scale);
-      for (int j = 0; j < NV; ++j) hn::StoreU(hn::Mul(vs, out.get(j)), d, o + t * Vp + j * L);
+      const VF qk0 = hn::Set(d, in.qk_same[t]);
+      for (int j = 0; j < NV; ++j)
+        hn::StoreU(hn::Mul(vs, hn::MulAdd(qk0, rp.get(j), out.get(j))), d, o + t * Vp + j * L);
+      if (cur == 2) {
+        const VF qk10 = hn::Set(d, in.qk_next[t]);
+        const VF qk11 = hn::Set(d, in.qk_same[t + 1]);
+        for (int j = 0; j < NV; ++j) {
+          const VF sum = hn::MulAdd(qk11, rp.get(NV + j), hn::MulAdd(qk10, rp.get(j), out.get(NV + j)));
+          hn::StoreU(hn::Mul(vs, sum), d, o + (t + 1) * Vp + j * L);
+        }
+      }
     }
+    prev = cur, tp = t, t += cur;
   }
+  // The last step's updates, and the run's decay: the block leaves the plain state.
+  const float* up[2] = {in.k_up + tp * Kp, in.k_up + (tp + 1) * Kp};
+  state_pass_dispatch<NV, kOutput>(prev, 0, true, K, Sb, up, rp, in.last, nullptr, nullptr, u, out);
 }
 
 template <bool kOutput>
-void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* q,
-                              const float* k, const float* e, const float* beta, const float* v, float* o,
-                              float* Sb, float scale, const PrefetchShare& pf) {
+void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const AnchoredRows& in,
+                              float* o, float* Sb, float scale, const PrefetchShare& pf) {
   switch (nv) {
-    case 1: forward_columns<1, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
-    case 2: forward_columns<2, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
+    case 1: forward_columns<1, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf); break;
+    case 2: forward_columns<2, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf); break;
     case 3:
-      if constexpr (kFwdVectors >= 3)
-        forward_columns<3, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
+      if constexpr (kFwdVectors >= 3) forward_columns<3, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf);
       break;
     case 4:
-      if constexpr (kFwdVectors >= 4)
-        forward_columns<4, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
+      if constexpr (kFwdVectors >= 4) forward_columns<4, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf);
       break;
     default: break;
   }
@@ -379,19 +497,21 @@ struct ForwardWork {
   Buffer<float> S;              // blocked states, K * Vp per head
   BlockRows rows[2];            // the block being swept and the next one, gathered during the sweep
   Buffer<float> o;              // output rows of one block, kC * Vp per head
+  AnchorWork anchor;            // anchor_rows' scratch
   ForwardWork(int64_t K_, int64_t V_, int64_t heads_)
       : K(K_),
         V(V_),
         Kp(padded(K_)),
         Vp(padded(V_)),
         heads(heads_),
-        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)} {
+        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)},
+        anchor(Kp) {
     S.reset(heads * K * Vp);
     o.reset(heads * kC * Vp);
   }
   BlockedState state(int64_t j) const { return {K, Vp, block_width(), S.data() + j * K * Vp}; }
   float* output(int64_t j) const { return o.data() + j * kC * Vp; }
-  // The bytes the constructor allocates per head.
+  // The bytes the constructor allocates per head (anchor, ~33 KB at K=128, is shared).
   static int64_t bytes_per_head(int64_t K, int64_t V) {
     const int64_t Kp = padded(K), Vp = padded(V);
     return static_cast<int64_t>(sizeof(float)) * (K * Vp + 2 * kC * (3 * Kp + Vp + 1) + kC * Vp);
@@ -457,11 +577,14 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
     for (int64_t j = 0; j < heads; ++j) {
       const BlockedState S = w.state(j);
       const ChunkRows rows = cur.from(j, 0);
+      AnchoredRows anchored = anchor_rows(n, Kp, rows.q, rows.k, rows.g, rows.beta, w.anchor);
+      clock.lap(core::Phase::decay_factors);
       for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
         const int nv = static_cast<int>(S.width(c0) / L);
         const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
-        forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
-                                          w.output(j) + c0, S.block(c0), plan.scale, share);
+        anchored.v = rows.v + c0;
+        forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, anchored, w.output(j) + c0, S.block(c0),
+                                          plan.scale, share);
         clock.lap(core::Phase::recurrent_sweep);
         if (next_n > 0) {
           gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
