@@ -11,8 +11,10 @@
 // work on column blocks that stay in L1 while a block of up to 64 tokens streams past them.
 //
 // Forward: the state lives as K-first column blocks [K][W] (W = 64 floats on AVX-512), each block
-// contiguous. Per token, one pass over the block's rows does the update with r_t, the read-out of
-// o_t, the decay of token t+1 and its k_{t+1}^T S: the state is read and written once per token.
+// contiguous. Within a run of tokens the state is kept anchored at the run's start, so no decay
+// multiply is needed per token (anchor_rows), and the tokens go in steps of two: one pass over the
+// block's rows applies the previous step's updates and accumulates k^T S and q^T S of both tokens,
+// so the state is read and written once per two tokens (forward_columns).
 //
 // Backward: a forward pass stores the state entering every 64-token segment (or the caller's
 // chunk_states are used). Segments are visited in reverse; per group of J state columns (held
@@ -57,8 +59,9 @@ namespace {
 
 constexpr int64_t kC = kChunkSize;
 
-// Vectors per row of a forward column block: accumulators for k^T S and q^T S (2 * NV), the
-// residual (NV) and the row being updated must fit the register file (16 on AVX2, 32 on AVX-512).
+// Vectors per row of a forward column block: accumulators for k^T S and q^T S of a step's two
+// tokens (4 * NV), the previous step's residuals (2 * NV) and the row being updated (NV) must fit
+// the register file (16 on AVX2, 32 on AVX-512).
 constexpr int kFwdVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
 // State columns per backward group: one k^T dS2 accumulator each, plus the shared row vectors.
 constexpr int kBwdColumns = (HWY_TARGET == HWY_AVX2) ? 4 : 8;
