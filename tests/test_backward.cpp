@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -110,10 +111,12 @@ std::string differing_gradients(const BackwardOut& a, const BackwardOut& b) {
 
 const float* data_or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
 
-void check_both_kernels(const BwdCase& bc) {
+// `edit`, if set, changes the generated inputs before anything runs.
+void check_both_kernels(const BwdCase& bc, const std::function<void(Data&)>& edit = {}) {
   SCOPED_TRACE(bc.name());
   Data d;
   make_data(bc.c, d);
+  if (edit) edit(d);
   Cotangents ct;
   make_cotangents(d, bc.d_final_state, bc.c.seed + 1000, ct);
   const reference::Gradients ref = oracle_backward(d, ct);
@@ -140,6 +143,27 @@ void check_both_kernels(const BwdCase& bc) {
 class BackwardParity : public ::testing::TestWithParam<BwdCase> {};
 
 TEST_P(BackwardParity, BothKernels) { check_both_kernels(GetParam()); }
+
+// The recurrent backward's checkpoints come from the forward's sweep (runs of tokens, see
+// ForwardAnchoredRuns): gates that start a run at every token (the plain sweep), runs of five, and
+// spikes inside runs, with padded key lanes (K = 40).
+TEST(BackwardAnchoredRuns, RunStartsPlacedByTheGates) {
+  BwdCase bc;
+  bc.c.T = 150;
+  bc.c.H = 2;
+  bc.c.HV = 4;
+  bc.c.K = 40;
+  bc.c.V = 24;
+  bc.c.initial_state = true;
+  bc.c.seed = 620;
+  check_both_kernels(bc, [](Data& d) {
+    for (int64_t t = 0; t < d.c.T; ++t) {
+      d.g.set(0, t, 0, 3, -15.0);
+      d.g.set(0, t, 1, 5, -4.5 * std::log(2.0));
+      if (t == 5 || t == 6 || t == 70 || t == 133) d.g.set(0, t, 3, 7, -1000.0);
+    }
+  });
+}
 
 std::string case_name(const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name(); }
 

@@ -292,18 +292,21 @@ TEST(ForwardLong, T4096OneHead) {
   check_both_kernels(c);
 }
 
-// The recurrent sweep keeps the state anchored at the start of a run of tokens and starts a new run
-// where some channel's decay since the run's start would fall below 2^-20 (recurrent-inl.h). Gates
-// that place the run starts on purpose: every token (a channel at e^-15 per token), every third
-// token (2^-7 per token: a step of two tokens, then one), at the threshold itself (2^-5 per token),
-// and -1000 spikes on consecutive tokens inside runs; blocks of 64 cut the runs; V = 40 leaves a
-// partial column block.
+// The recurrent sweep keeps the state anchored at the end of a run of tokens and starts a new run
+// where some channel's decay over the run would fall below 2^-20; a block whose runs average under
+// three tokens takes the plain sweep instead (recurrent-inl.h). Gates that place the run starts on
+// purpose: every token (a channel at e^-15 per token: plain), runs of five (2^-4.5 per token: two
+// steps of two tokens, then one), at the threshold (2^-5 per token) with a middle block of strong
+// decays (that block plain, the others anchored), and -1000 spikes on consecutive tokens inside
+// runs; blocks of 64 cut the runs; K = 40 has padded key lanes, V = 40 a partial column block. One
+// thread puts all four heads into one work item, sharing the anchoring scratch; two give items of
+// two heads.
 TEST(ForwardAnchoredRuns, RunStartsPlacedByTheGates) {
   Case c;
   c.T = 150;
   c.H = 2;
   c.HV = 4;
-  c.K = 32;
+  c.K = 40;
   c.V = 40;
   c.initial_state = true;
   c.seed = 610;
@@ -313,18 +316,25 @@ TEST(ForwardAnchoredRuns, RunStartsPlacedByTheGates) {
   const double ln2 = std::log(2.0);
   for (int64_t t = 0; t < c.T; ++t) {
     d.g.set(0, t, 0, 3, -15.0);
-    d.g.set(0, t, 1, 5, -7.0 * ln2);
+    d.g.set(0, t, 1, 5, -4.5 * ln2);
     d.g.set(0, t, 2, 0, -5.0 * ln2);
+    if (t >= 64 && t < 128) d.g.set(0, t, 2, 1, -15.0);
     if (t == 5 || t == 6 || t == 70 || t == 133) d.g.set(0, t, 3, 7, -1000.0);
   }
   const reference::ForwardResult ref = oracle_forward(d);
-  for (Kernel k : kKernels) check_parity(k, d, ref);
+  ASSERT_TRUE(all_finite(ref.o));
+  for (Kernel k : kKernels)
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(threads);
+      check_parity(k, d, ref, RunOptions{threads});
+    }
 }
 
-// The anchored state holds each update scaled by up to 2^20: values of 1e25 (states of ~1e25) stay
-// far from overflow, and runs of two tokens each (e^-13.8 per token in one channel, the others
-// without decay) still meet the tolerance.
-TEST(ForwardAnchoredRuns, LargeValuesInShortRuns) {
+// The anchored state is never larger than the plain one (its scale, the decay still to come, is
+// <= 1; only q and k are scaled up, by < 2^20): values of 1e33, states of ~1e34, stay finite in runs
+// of four tokens (e^-4.6 per token in one channel, the others without decay: scales down to
+// e^-13.8), where a state scaled up by those 1e6 would overflow, and meet the tolerance.
+TEST(ForwardAnchoredRuns, LargeValuesStayFinite) {
   Case c;
   c.T = 130;
   c.K = 64;
@@ -335,8 +345,8 @@ TEST(ForwardAnchoredRuns, LargeValuesInShortRuns) {
   Data d;
   make_data(c, d);
   for (int64_t t = 0; t < c.T; ++t) {
-    d.g.set(0, t, 0, 9, -13.8);
-    for (int64_t i = 0; i < c.V; ++i) d.v.set(0, t, 0, i, 1e25 * d.v.get(0, t, 0, i));
+    d.g.set(0, t, 0, 9, -4.6);
+    for (int64_t i = 0; i < c.V; ++i) d.v.set(0, t, 0, i, 1e33 * d.v.get(0, t, 0, i));
   }
   const reference::ForwardResult ref = oracle_forward(d);
   ASSERT_TRUE(all_finite(ref.o));
@@ -375,8 +385,8 @@ TEST(ForwardDeterminism, ThreadCounts) {
   }
 }
 
-// The recurrent forward works on groups of adjacent value heads, fewer heads per group the more
-// threads share the items. Every grouping meets the oracle, and heads are independent: every
+// Both forwards work on groups of adjacent value heads (heads_per_item), fewer heads per group the
+// more threads share the items. Every grouping meets the oracle, and heads are independent: every
 // grouping gives the same bits.
 //   H = HV = 7, one sequence: 1, 2, 4 threads give groups of 4 (+3), 2 (+1) and 1 heads (packed
 //   f32 and strided bf16 views);
@@ -419,13 +429,16 @@ TEST(ForwardDeterminism, HeadGroupings) {
     Data d;
     make_data(g.c, d);
     const reference::ForwardResult ref = oracle_forward(d);
-    const ForwardRun one = check_parity(Kernel::recurrent, d, ref, RunOptions{g.threads[0]});
-    for (size_t i = 1; i < g.threads.size(); ++i) {
-      SCOPED_TRACE(g.threads[i]);
-      const ForwardRun many = check_parity(Kernel::recurrent, d, ref, RunOptions{g.threads[i]});
-      EXPECT_TRUE(bitwise_equal(one.out.o, many.out.o)) << "o";
-      EXPECT_TRUE(bitwise_equal(one.out.final_state, many.out.final_state)) << "final state";
-      EXPECT_TRUE(bitwise_equal(one.out.chunk_states, many.out.chunk_states)) << "chunk states";
+    for (Kernel k : kKernels) {
+      SCOPED_TRACE(kernel_name(k));
+      const ForwardRun one = check_parity(k, d, ref, RunOptions{g.threads[0]});
+      for (size_t i = 1; i < g.threads.size(); ++i) {
+        SCOPED_TRACE(g.threads[i]);
+        const ForwardRun many = check_parity(k, d, ref, RunOptions{g.threads[i]});
+        EXPECT_TRUE(bitwise_equal(one.out.o, many.out.o)) << "o";
+        EXPECT_TRUE(bitwise_equal(one.out.final_state, many.out.final_state)) << "final state";
+        EXPECT_TRUE(bitwise_equal(one.out.chunk_states, many.out.chunk_states)) << "chunk states";
+      }
     }
   }
 }

@@ -11,7 +11,7 @@
 // work on column blocks that stay in L1 while a block of up to 64 tokens streams past them.
 //
 // Forward: the state lives as K-first column blocks [K][W] (W = 64 floats on AVX-512), each block
-// contiguous. Within a run of tokens the state is kept anchored at the run's start, so no decay
+// contiguous. Within a run of tokens the state is kept anchored at the run's end, so no decay
 // multiply is needed per token (anchor_rows), and the tokens go in steps of two: one pass over the
 // block's rows applies the previous step's updates and accumulates k^T S and q^T S of both tokens,
 // so the state is read and written once per two tokens (forward_columns).
@@ -242,96 +242,236 @@ RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const
   return pf;
 }
 
-// Decay anchored at the start of a sub-block. Multiplying the state by diag(e^{g_t}) at every token
-// is one of the four vector operations per state element and token. Within a run of tokens
-// t0..t1 of a block, with D_t = prod_{t0 < s <= t} e^{g_s} (per key channel), the state is kept as
-// S~ = diag(D_t)^-1 S, which the tokens of the run update without any decay:
-//   u_t = (k_t * D_t)^T S~      S~ += (k_t / D_t) r_t^T      o_t = scale (q_t * D_t)^T S~
-// and the run's decay is applied once, where the next run starts or the block ends. Each term of
-// S~ times D_t is the term of S itself, so the rounding errors are those of the plain recurrence.
-// A run ends before the token where some channel's D would fall below kMinRunDecay: 1 / D then
-// stays below 2^20, far from overflow; a strong decay only makes runs short (one token at worst,
-// which is the plain recurrence).
+// The plain sweep, for blocks whose runs are too short to anchor (anchor_rows): tokens [0, n) of one
+// block of rows through one column block Sb [K][NV * L], one token per pass over the state, whose
+// pass does the update with r_t, the read-out of o_t, the decay of token t+1 and its k_{t+1}^T S.
+// q, k, e: [n][Kp] (e = exp(g)); v, o: [n][Vp], already offset to the block's first column.
+template <int NV, bool kOutput>
+HWY_NOINLINE void plain_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* HWY_RESTRICT q,
+                                const float* HWY_RESTRICT k, const float* HWY_RESTRICT e,
+                                const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
+                                float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
+                                const PrefetchShare& pf) {
+  const DF d;
+  const int64_t L = lanes();
+  const int64_t W = NV * L;
+  VectorArray<NV> acc;
+  // Token 0: decay, then u = k^T S1.
+  for (int j = 0; j < NV; ++j) acc.set(j, hn::Zero(d));
+  for (int64_t r = 0; r < K; ++r) {
+    float* row = Sb + r * W;
+    const VF ve = hn::Set(d, e[r]);
+    const VF vk = hn::Set(d, k[r]);
+    for (int j = 0; j < NV; ++j) {
+      const VF s = hn::Mul(hn::LoadU(d, row + j * L), ve);
+      acc.set(j, hn::MulAdd(vk, s, acc.get(j)));
+      hn::StoreU(s, d, row + j * L);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    pf.step(t, n);
+    const float* kt = k + t * Kp;
+    const float* qt = q + t * Kp;
+    const VF vb = hn::Set(d, beta[t]);
+    VectorArray<NV> res, out;
+    for (int j = 0; j < NV; ++j) {
+      res.set(j, hn::Mul(vb, hn::Sub(hn::LoadU(d, v + t * Vp + j * L), acc.get(j))));
+      out.set(j, hn::Zero(d));
+      acc.set(j, hn::Zero(d));
+    }
+    if (t + 1 < n) {
+      // Update with r_t and read out o_t, then decay for token t+1 and accumulate k_{t+1}^T S1.
+      const float* en = e + (t + 1) * Kp;
+      const float* kn = k + (t + 1) * Kp;
+      const auto update_row = [&](int64_t r, VectorArray<NV>& o_sum, VectorArray<NV>& u_sum) HWY_ATTR {
+        float* row = Sb + r * W;
+        const VF vk = hn::Set(d, kt[r]);
+        const VF vq = hn::Set(d, qt[r]);
+        const VF ve = hn::Set(d, en[r]);
+        const VF vkn = hn::Set(d, kn[r]);
+        for (int j = 0; j < NV; ++j) {
+          VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
+          if constexpr (kOutput) o_sum.set(j, hn::MulAdd(vq, s, o_sum.get(j)));
+          s = hn::Mul(s, ve);
+          u_sum.set(j, hn::MulAdd(vkn, s, u_sum.get(j)));
+          hn::StoreU(s, d, row + j * L);
+        }
+      };
+      // Even and odd rows sum into separate accumulators: one FMA chain per sum would make each
+      // row wait for the previous row's FMA (latency 4-5 cycles, as long as the row's own work).
+      VectorArray<NV> out_odd, acc_odd;
+      for (int j = 0; j < NV; ++j) out_odd.set(j, hn::Zero(d)), acc_odd.set(j, hn::Zero(d));
+      int64_t r = 0;
+      for (; r + 1 < K; r += 2) {
+        update_row(r, out, acc);
+        update_row(r + 1, out_odd, acc_odd);
+      }
+      if (r < K) update_row(r, out, acc);
+      for (int j = 0; j < NV; ++j) {
+        acc.set(j, hn::Add(acc.get(j), acc_odd.get(j)));
+        if constexpr (kOutput) out.set(j, hn::Add(out.get(j), out_odd.get(j)));
+      }
+    } else {
+      for (int64_t r = 0; r < K; ++r) {
+        float* row = Sb + r * W;
+        const VF vk = hn::Set(d, kt[r]);
+        const VF vq = hn::Set(d, qt[r]);
+        for (int j = 0; j < NV; ++j) {
+          const VF s = hn::MulAdd(vk, res.get(j), hn::LoadU(d, row + j * L));
+          if constexpr (kOutput) out.set(j, hn::MulAdd(vq, s, out.get(j)));
+          hn::StoreU(s, d, row + j * L);
+        }
+      }
+    }
+    if constexpr (kOutput) {
+      const VF vs = hn::Set(d, scale);
+      for (int j = 0; j < NV; ++j) hn::StoreU(hn::Mul(vs, out.get(j)), d, o + t * Vp + j * L);
+    }
+  }
+}
+
+template <bool kOutput>
+void plain_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* q,
+                            const float* k, const float* e, const float* beta, const float* v, float* o,
+                            float* Sb, float scale, const PrefetchShare& pf) {
+  switch (nv) {
+    case 1: plain_columns<1, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
+    case 2: plain_columns<2, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
+    case 3:
+      if constexpr (kFwdVectors >= 3)
+        plain_columns<3, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
+      break;
+    case 4:
+      if constexpr (kFwdVectors >= 4)
+        plain_columns<4, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
+      break;
+    default: break;
+  }
+}
+
+// Decay anchored at the end of a run of tokens. Multiplying the state by diag(e^{g_t}) at every
+// token was one of the four vector operations per state element and token. For a run of tokens
+// t0..t1 of a block, with F_t = prod_{t < s <= t1} e^{g_s} per key channel (the decay still to come
+// in the run; F_t1 = 1), the state is kept as S^ = diag(F_t) S, which the tokens of the run update
+// without any decay:
+//   u_t = (k_t / F_t)^T S^      S^ += (k_t F_t) r_t^T      o_t = scale (q_t / F_t)^T S^
+// At the run's start the entering (plain) state is multiplied by the run's whole decay
+// e^{g_t0} F_t0; at its end S^ is the plain state again. S^ is never larger than the plain state
+// (F <= 1), so the range of the plain recurrence is kept; each product (k / F) S^ has the magnitude
+// of the plain k^T S term, so the rounding errors are of the same order. A run ends before the token
+// where some channel's decay over the run (excluding its first token's) would fall below
+// kMinRunDecay, so 1 / F stays below 2^20 (scaling k and q, inputs of magnitude ~1); a strong decay
+// only makes runs short (one token at worst, which is the plain recurrence).
 constexpr float kMinRunDecay = 1.0f / static_cast<float>(1 << 20);
 
 // One head's block rows as the anchored sweep reads them (anchor_rows writes them in place).
 struct AnchoredRows {
-  const float* q;         // [n][Kp]: q_t * D_t
-  const float* k;         // [n][Kp]: k_t * D_t
-  const float* k_up;      // [n][Kp]: k_t / D_t, the update's key row
-  const float* start;     // [n][Kp]: row t, where a run starts at t: the decay applied before token t
+  const float* q;         // [n][Kp]: q_t / F_t
+  const float* k;         // [n][Kp]: k_t / F_t
+  const float* k_up;      // [n][Kp]: k_t F_t, the update's key row
+  const float* start;     // [n][Kp]: row t, where a run starts at t: its decay e^{g_t} F_t
   const uint8_t* starts;  // [n]: 1 where a run starts (always at token 0)
-  const float* last;      // [Kp]: D of the last token, applied after it
   const float* qk_same;   // [n]: q_t . k_up_t (= q_t . k_t)
   const float* qk_next;   // [n]: q_{t+1} . k_up_t    } within a run: what token t's update adds
   const float* kk_next;   // [n]: k_{t+1} . k_up_t    } to o_{t+1} and u_{t+1}
   const float* beta;      // [n]
   const float* v;         // [n][Vp], offset to the column block
+  bool plain = false;     // runs too short to anchor: the rows are as gathered, for plain_columns
 };
 
 // anchor_rows' scratch, per thread (shared by the heads of an item, one head at a time).
 struct AnchorWork {
-  Buffer<float> k_up, last, dots;  // [kC][Kp], [Kp], 3 x [kC]
-  Buffer<uint8_t> starts;          // [kC]
+  Buffer<float> k_up, decay, dots;  // [kC][Kp], [Kp], 3 x [kC]
+  Buffer<uint8_t> starts;           // [kC]
   explicit AnchorWork(int64_t Kp) {
-    k_up.reset(kC * Kp), last.reset(Kp), dots.reset(3 * kC), starts.reset(kC);
+    k_up.reset(kC * Kp), decay.reset(Kp), dots.reset(3 * kC), starts.reset(kC);
   }
 };
 
-// Rewrites rows [0, n) of one head's block for the anchored sweep: q and k are scaled by D_t in
-// place, e (exp(g)) becomes the run-start decay at the tokens where a run starts, and the rest of
-// AnchoredRows (but v) is filled into a.
+// Rewrites rows [0, n) of one head's block for the anchored sweep: places the runs, scales q and k
+// by 1 / F_t in place, turns e (exp(g)) into the run's decay at each run's first token, and fills
+// the rest of AnchoredRows (but v) into a.
 AnchoredRows anchor_rows(int64_t n, int64_t Kp, float* q, float* k, float* e, const float* beta,
-                         const AnchorWork& a) {
+                         AnchorWork& a) {
   const DF d;
   const int64_t L = lanes();
   const VF one = hn::Set(d, 1.0f);
-  float* last = a.last.data();
+  float* decay = a.decay.data();
   float* k_up = a.k_up.data();
-  for (int64_t i = 0; i < Kp; i += L) hn::StoreU(one, d, last + i);  // D of the run so far
+  uint8_t* starts = a.starts.data();
+  // The runs: each token after a run's first multiplies the run's decay; a token that would take
+  // some channel below kMinRunDecay starts the next run (token 0 always starts one).
   for (int64_t t = 0; t < n; ++t) {
-    float* et = e + t * Kp;
-    bool start = t == 0;  // a block's first token starts a run: e_0 decays the incoming state
+    const float* et = e + t * Kp;
+    bool start = t == 0;
     if (!start) {
       VF lowest = one;
-      for (int64_t i = 0; i < Kp; i += L)
-        lowest = hn::Min(lowest, hn::Mul(hn::LoadU(d, last + i), hn::LoadU(d, et + i)));
+      for (int64_t i = 0; i < Kp; i += L) {
+        const VF D = hn::Mul(hn::LoadU(d, decay + i), hn::LoadU(d, et + i));
+        hn::StoreU(D, d, decay + i);
+        lowest = hn::Min(lowest, D);
+      }
       start = hn::GetLane(hn::MinOfLanes(d, lowest)) < kMinRunDecay;
     }
-    a.starts.data()[t] = start ? 1 : 0;
-    for (int64_t i = 0; i < Kp; i += L) {
-      VF D = hn::Mul(hn::LoadU(d, last + i), hn::LoadU(d, et + i));
-      if (start) {
-        if (t > 0) hn::StoreU(D, d, et + i);  // the previous run's decay through token t
-        D = one;
-      }
-      hn::StoreU(D, d, last + i);
-      const VF kt = hn::LoadU(d, k + t * Kp + i);
-      hn::StoreU(hn::Div(kt, D), d, k_up + t * Kp + i);
-      hn::StoreU(hn::Mul(kt, D), d, k + t * Kp + i);
-      hn::StoreU(hn::Mul(hn::LoadU(d, q + t * Kp + i), D), d, q + t * Kp + i);
-    }
+    if (start)
+      for (int64_t i = 0; i < Kp; i += L) hn::StoreU(one, d, decay + i);
+    starts[t] = start ? 1 : 0;
   }
   float* qk_same = a.dots.data();
   float* qk_next = qk_same + kC;
   float* kk_next = qk_next + kC;
+  int64_t runs = 0;
+  for (int64_t t = 0; t < n; ++t) runs += starts[t];
+  // Runs of under three tokens on average (strong decays) leave many one-token passes and scaled
+  // pairs, with the anchoring's own cost on top: in cache, with runs of under two tokens the
+  // anchored sweep ran 7-8% slower than the plain one (strong and unbounded gates), and at the
+  // harness's strong gates (runs of ~2) still 7% slower. The plain sweep takes those blocks.
+  if (3 * runs > n) return {q, k, nullptr, e, nullptr, nullptr, nullptr, nullptr, beta, nullptr, true};
+  // Each run backwards from its last token: F_t1 = 1, F_{t-1} = F_t e_t.
+  for (int64_t t1 = n - 1; t1 >= 0;) {
+    int64_t t0 = t1;
+    while (!starts[t0]) --t0;
+    std::copy(k + t1 * Kp, k + (t1 + 1) * Kp, k_up + t1 * Kp);  // F_t1 = 1: k and q stay
+    std::copy(e + t1 * Kp, e + (t1 + 1) * Kp, decay);           // F_{t1 - 1}
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+      float* et = e + t * Kp;
+      for (int64_t i = 0; i < Kp; i += L) {
+        const VF F = hn::LoadU(d, decay + i);
+        const VF inv = hn::Div(one, F);
+        const VF kt = hn::LoadU(d, k + t * Kp + i);
+        hn::StoreU(hn::Mul(kt, F), d, k_up + t * Kp + i);
+        hn::StoreU(hn::Mul(kt, inv), d, k + t * Kp + i);
+        hn::StoreU(hn::Mul(hn::LoadU(d, q + t * Kp + i), inv), d, q + t * Kp + i);
+        hn::StoreU(hn::Mul(F, hn::LoadU(d, et + i)), d, decay + i);  // F_{t-1}
+      }
+    }
+    // The run's decay, applied to the plain state entering it: e_t0 F_t0 (held in decay now).
+    if (t0 < t1) std::copy(decay, decay + Kp, e + t0 * Kp);
+    t1 = t0 - 1;
+  }
   for (int64_t t = 0; t < n; ++t) {
     qk_same[t] = dot(q + t * Kp, k_up + t * Kp, Kp);
-    qk_next[t] = t + 1 < n ? dot(q + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
-    kk_next[t] = t + 1 < n ? dot(k + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
+    const bool paired = t + 1 < n && !starts[t + 1];  // only read where t and t + 1 share a run
+    qk_next[t] = paired ? dot(q + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
+    kk_next[t] = paired ? dot(k + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
   }
-  return {q, k, k_up, e, a.starts.data(), last, qk_same, qk_next, kk_next, beta, nullptr};
+  return {q, k, k_up, e, starts, qk_same, qk_next, kk_next, beta, nullptr};
 }
 
 // One pass over the rows of a column block Sb [K][NV * L]: adds the previous step's kPrev updates
-// k_up r^T, scales the rows by `factor` (kScale), then accumulates u = k^T S and o = q^T S for the
-// kCur tokens of this step (token c's sums at c * NV + j). The state is read and written once per
-// step, however many tokens it has: a step of two tokens halves the loads and stores, which bound
-// a pass of one token (its three FMAs per vector would take 1.5 cycles; its load and store 2).
+// k_up r^T, scales the rows by `factor` (kScale, a run's first token), then accumulates u = k^T S
+// and o = q^T S for the kCur tokens of this step (token c's sums at c * NV + j). The state is read
+// and written once per step however many tokens it has, so a step of two tokens halves the state's
+// loads and stores; in a stand-alone copy of the loop (K = 128, 16 columns, in cache) a pass of
+// one anchored token took 1.41-1.47 ns per row, a pass of two 2.35-2.53 (1.17-1.27 per token).
+// A one-token step sums odd rows into the second token's free slots: with one FMA chain per sum
+// each row would wait on the previous row's FMA (latency 4-5 cycles, longer than the row's work).
+// Not inlined: each variant gets a register allocation of its own (inlined into forward_columns,
+// the pass of two tokens with a scale spilled four sums to the stack and ran at half speed).
 template <int NV, int kPrev, int kCur, bool kScale, bool kOutput>
-HWY_INLINE void state_pass(int64_t K, float* HWY_RESTRICT Sb, const float* const* up,
-                           const VectorArray<2 * NV>& rp, const float* factor, const float* const* kr,
-                           const float* const* qr, VectorArray<2 * NV>& u_out, VectorArray<2 * NV>& o_out) {
+HWY_NOINLINE void state_pass(int64_t K, float* HWY_RESTRICT Sb, const float* const* up,
+                             const VectorArray<2 * NV>& rp, const float* factor, const float* const* kr,
+                             const float* const* qr, VectorArray<2 * NV>& u_out, VectorArray<2 * NV>& o_out) {
   const DF d;
   const int64_t L = lanes();
   const int64_t W = NV * L;
@@ -343,7 +483,8 @@ HWY_INLINE void state_pass(int64_t K, float* HWY_RESTRICT Sb, const float* const
   const float* const q_rows[2] = {qr ? qr[0] : nullptr, qr ? qr[1] : nullptr};
   VectorArray<2 * NV> u, o;
   for (int i = 0; i < 2 * NV; ++i) u.set(i, hn::Zero(d)), o.set(i, hn::Zero(d));
-  for (int64_t r = 0; r < K; ++r) {
+  // Row r with token c's sums at slot (c + c_slot) * NV + j.
+  const auto row_op = [&](int64_t r, auto c_slot) HWY_ATTR {
     float* row = Sb + r * W;
     VectorArray<NV> s;
     for (int j = 0; j < NV; ++j) s.set(j, hn::LoadU(d, row + j * L));
@@ -356,20 +497,35 @@ HWY_INLINE void state_pass(int64_t K, float* HWY_RESTRICT Sb, const float* const
       for (int j = 0; j < NV; ++j) s.set(j, hn::Mul(s.get(j), f));
     }
     for (int c = 0; c < kCur; ++c) {
+      const int at = (c + decltype(c_slot)::value) * NV;
       const VF x = hn::Set(d, k_rows[c][r]);
-      for (int j = 0; j < NV; ++j) u.set(c * NV + j, hn::MulAdd(x, s.get(j), u.get(c * NV + j)));
+      for (int j = 0; j < NV; ++j) u.set(at + j, hn::MulAdd(x, s.get(j), u.get(at + j)));
       if constexpr (kOutput) {
         const VF y = hn::Set(d, q_rows[c][r]);
-        for (int j = 0; j < NV; ++j) o.set(c * NV + j, hn::MulAdd(y, s.get(j), o.get(c * NV + j)));
+        for (int j = 0; j < NV; ++j) o.set(at + j, hn::MulAdd(y, s.get(j), o.get(at + j)));
       }
     }
     for (int j = 0; j < NV; ++j) hn::StoreU(s.get(j), d, row + j * L);
+  };
+  using Slot0 = std::integral_constant<int, 0>;
+  using Slot1 = std::integral_constant<int, 1>;
+  int64_t r = 0;
+  if constexpr (kCur == 1) {
+    for (; r + 1 < K; r += 2) row_op(r, Slot0{}), row_op(r + 1, Slot1{});
+    for (; r < K; ++r) row_op(r, Slot0{});
+    for (int j = 0; j < NV; ++j) {
+      u.set(j, hn::Add(u.get(j), u.get(NV + j)));
+      if constexpr (kOutput) o.set(j, hn::Add(o.get(j), o.get(NV + j)));
+    }
+  } else {
+    for (; r < K; ++r) row_op(r, Slot0{});
   }
   u_out = u, o_out = o;
 }
 
-// state_pass for run-time (prev, cur, scaled): a step has one or two tokens; the first step has no
-// previous updates, the closing pass (cur = 0) no tokens; both scale.
+// state_pass for run-time (prev, cur, scaled): a step has one or two tokens and scales where its
+// first token starts a run; the first step (prev = 0) always does, and the closing pass (cur = 0)
+// has no tokens.
 template <int NV, bool kOutput>
 HWY_INLINE void state_pass_dispatch(int prev, int cur, bool scaled, int64_t K, float* Sb,
                                     const float* const* up, const VectorArray<2 * NV>& rp,
@@ -382,12 +538,14 @@ HWY_INLINE void state_pass_dispatch(int prev, int cur, bool scaled, int64_t K, f
   using I0 = std::integral_constant<int, 0>;
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (prev == 0) return cur == 1 ? run(I0{}, I1{}, Yes{}) : run(I0{}, I2{}, Yes{});
   const auto with_prev = [&](auto P) HWY_ATTR {
-    if (cur == 0) return run(P, I0{}, std::true_type{});
-    if (cur == 1) return scaled ? run(P, I1{}, std::true_type{}) : run(P, I1{}, std::false_type{});
-    return scaled ? run(P, I2{}, std::true_type{}) : run(P, I2{}, std::false_type{});
+    if (cur == 0) return run(P, I0{}, No{});
+    if (cur == 1) return scaled ? run(P, I1{}, Yes{}) : run(P, I1{}, No{});
+    return scaled ? run(P, I2{}, Yes{}) : run(P, I2{}, No{});
   };
-  if (prev == 0) return with_prev(I0{});
   if (prev == 1) return with_prev(I1{});
   with_prev(I2{});
 }
@@ -443,9 +601,9 @@ HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, 
     }
     prev = cur, tp = t, t += cur;
   }
-  // The last step's updates, and the run's decay: the block leaves the plain state.
+  // The last step's updates: the block's last token ends a run, where the state is plain again.
   const float* up[2] = {in.k_up + tp * Kp, in.k_up + (tp + 1) * Kp};
-  state_pass_dispatch<NV, kOutput>(prev, 0, true, K, Sb, up, rp, in.last, nullptr, nullptr, u, out);
+  state_pass_dispatch<NV, kOutput>(prev, 0, false, K, Sb, up, rp, nullptr, nullptr, nullptr, u, out);
 }
 
 template <bool kOutput>
@@ -586,8 +744,12 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
         const int nv = static_cast<int>(S.width(c0) / L);
         const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
         anchored.v = rows.v + c0;
-        forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, anchored, w.output(j) + c0, S.block(c0),
-                                          plan.scale, share);
+        if (anchored.plain)
+          plain_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
+                                          w.output(j) + c0, S.block(c0), plan.scale, share);
+        else
+          forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, anchored, w.output(j) + c0, S.block(c0),
+                                            plan.scale, share);
         clock.lap(core::Phase::recurrent_sweep);
         if (next_n > 0) {
           gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
