@@ -1,5 +1,7 @@
-// Chunked (WY) forward on the CPU. One work item is one (sequence, value head): its chunks are
-// walked in order with the state kept in a per-thread K-first tile that stays in cache.
+// Chunked (WY) forward on the CPU. One work item is a group of adjacent value heads of one sequence
+// (heads_per_item): its chunks are walked in order, each chunk's rows of all the group's heads
+// gathered token by token (a token's rows of adjacent heads are adjacent in memory), then each head
+// processed with its state in a per-thread K-first tile that stays in cache.
 // Per chunk (see docs: the chunked form), with S the entering state:
 //   Vn = U - W S          O = (scale Q e^G) S + P Vn          S' = e^{G_last} S + (K e^{G_last - G})^T Vn
 #include <memory>
@@ -21,55 +23,87 @@
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 
+// Per-thread memory of the forward over a group of value heads.
 struct ForwardWork {
-  ChunkWork chunk;
-  Buffer<float> S;  // [K][Vp] state
-  Buffer<float> O;  // [C][Vp] output rows of one chunk
-  ForwardWork(int64_t K, int64_t V) : chunk(K, V), S(K * padded(V)), O(C * padded(V)) {}
+  int64_t K, Kp, Vp;
+  ChunkWork chunk;                  // one head's chunk at a time
+  std::vector<ChunkRowTiles> rows;  // one chunk's gathered rows per head
+  Buffer<float> S;                  // [heads][K][Vp] states
+  Buffer<float> O;                  // [heads][C][Vp] output rows of one chunk
+  ForwardWork(int64_t K_, int64_t V_, int64_t heads)
+      : K(K_),
+        Kp(padded(K_)),
+        Vp(padded(V_)),
+        chunk(K_, V_),
+        S(heads * K_ * padded(V_)),
+        O(heads * C * padded(V_)) {
+    rows.reserve(static_cast<size_t>(heads));
+    for (int64_t j = 0; j < heads; ++j) rows.emplace_back(Kp, Vp);
+  }
+  float* state(int64_t j) const { return S.data() + j * K * Vp; }
+  float* output(int64_t j) const { return O.data() + j * C * Vp; }
+  // The bytes the constructor allocates per head (the ChunkWork, ~1 MiB at K=V=128, is shared).
+  static int64_t bytes_per_head(int64_t K, int64_t V) {
+    const int64_t Kp = padded(K), Vp = padded(V);
+    return ChunkRowTiles::bytes(Kp, Vp) + static_cast<int64_t>(sizeof(float)) * (K * Vp + C * Vp);
+  }
 };
 
-void forward_one(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out, int64_t n_seq,
-                 int64_t hv, ForwardWork& fw) {
+void forward_group(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out, int64_t n_seq,
+                   int64_t hv0, int64_t heads, ForwardWork& fw) {
   const core::Sequence& seq = plan.sequences[n_seq];
   ChunkWork& w = fw.chunk;
-  const int64_t K = plan.K, V = plan.V, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
-  float* S = fw.S.data();
-  float* O = fw.O.data();
+  const int64_t V = plan.V, Vp = w.Vp, ldx = w.ldx;
   core::PhaseClock clock(core::Kernel::chunk_forward);
-  load_state(plan, plan.initial[n_seq], hv, S, Vp);
+  for (int64_t j = 0; j < heads; ++j) load_state(plan, plan.initial[n_seq], hv0 + j, fw.state(j), Vp);
   clock.lap(core::Phase::state_io);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += C, ++c) {
     const int64_t n = std::min(C, seq.length - t0);
-    if (out.chunk_states != nullptr) {
-      store_state(plan, S, Vp, plan.packed(out.chunk_states, seq.first_chunk + c), hv);
-      clock.lap(core::Phase::state_io);
-    }
-    prepare_chunk(plan, in, seq, hv, t0, n, w, clock);
-    make_vn_in_place(w, n, S);
-    const float* Vn = w.U();
-    gemm(n, Vp, K, w.Qe.data(), Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
-    clock.lap(core::Phase::state_products);
-    for (int64_t s = 0; s < n; s += kSub) {
-      const int64_t e = std::min(s + kSub, n);
-      gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
-    }
-    clock.lap(core::Phase::intra_output);
     for (int64_t i = 0; i < n; ++i)
-      store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, O + i * Vp);
+      for (int64_t j = 0; j < heads; ++j)
+        load_chunk_rows(plan, in, seq, hv0 + j, t0 + i, 1, fw.rows[j].from(i));
+    clock.lap(core::Phase::gather);
+    for (int64_t j = 0; j < heads; ++j) {
+      float* S = fw.state(j);
+      float* O = fw.output(j);
+      if (out.chunk_states != nullptr) {
+        store_state(plan, S, Vp, plan.packed(out.chunk_states, seq.first_chunk + c), hv0 + j);
+        clock.lap(core::Phase::state_io);
+      }
+      fw.rows[j].swap_with(w);
+      prepare_gathered_chunk(w, n, plan.scale, clock);
+      make_vn_in_place(w, n, S);
+      const float* Vn = w.U();
+      gemm(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
+      clock.lap(core::Phase::state_products);
+      for (int64_t s = 0; s < n; s += kSub) {
+        const int64_t e = std::min(s + kSub, n);
+        gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
+      }
+      clock.lap(core::Phase::intra_output);
+      advance_state(w, n, S, S, Vn, ldx);
+      clock.lap(core::Phase::state_products);
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < heads; ++j)
+        store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv0 + j, V, fw.output(j) + i * Vp);
     clock.lap(core::Phase::store);
-    advance_state(w, n, S, S, Vn, ldx);
-    clock.lap(core::Phase::state_products);
   }
-  if (plan.final[n_seq]) store_state(plan, S, Vp, plan.final[n_seq], hv);
+  if (plan.final[n_seq])
+    for (int64_t j = 0; j < heads; ++j) store_state(plan, fw.state(j), Vp, plan.final[n_seq], hv0 + j);
   clock.lap(core::Phase::state_io);
 }
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                   core::Runner& run) {
-  const int64_t items = plan.num_sequences() * plan.HV;
-  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V);
+  const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
+  const int64_t groups = (plan.HV + heads - 1) / heads;
+  const int64_t items = plan.num_sequences() * groups;
+  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
   run.parallel_for(items, [&](int64_t item, int worker) {
-    forward_one(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)]);
+    const int64_t hv0 = item % groups * heads;
+    forward_group(plan, in, out, item / groups, hv0, std::min(heads, plan.HV - hv0),
+                  *work[static_cast<size_t>(worker)]);
   });
 }
 

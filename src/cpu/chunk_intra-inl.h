@@ -16,6 +16,8 @@
 #define KDA_CPU_CHUNK_INTRA_INL_H_
 #endif
 
+#include <utility>
+
 #include "core/phase_clock.hpp"
 #include "cpu/simd-inl.h"
 
@@ -59,6 +61,30 @@ struct ChunkWork {
   }
   float* W() const { return X.data(); }
   float* U() const { return X.data() + Kp; }
+};
+
+// One chunk's gathered rows of one head, laid out as ChunkWork's (see ChunkRows), gathered ahead of
+// their processing: the chunked forward gathers a group of heads token by token, then hands each
+// head's rows to the ChunkWork by swapping the buffers (no copy; every buffer keeps zero padding).
+struct ChunkRowTiles {
+  int64_t Kp = 0, Vp = 0;
+  Buffer<float> q, k, v, g, beta, q_rstd, k_rstd;
+  ChunkRowTiles(int64_t Kp_, int64_t Vp_) : Kp(Kp_), Vp(Vp_) {
+    q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
+    beta.reset(C), q_rstd.reset(C), k_rstd.reset(C);
+  }
+  // Row i onwards, as load_chunk_rows fills it.
+  ChunkRows from(int64_t i) const {
+    return {q.data() + i * Kp, k.data() + i * Kp, v.data() + i * Vp, g.data() + i * Kp,
+            beta.data() + i,   q_rstd.data() + i, k_rstd.data() + i};
+  }
+  void swap_with(ChunkWork& w) {
+    std::swap(q, w.q), std::swap(k, w.k), std::swap(v, w.v), std::swap(g, w.g);
+    std::swap(beta, w.beta), std::swap(q_rstd, w.q_rstd), std::swap(k_rstd, w.k_rstd);
+  }
+  static int64_t bytes(int64_t Kp, int64_t Vp) {
+    return static_cast<int64_t>(sizeof(float)) * C * (3 * Kp + Vp + 3);
+  }
 };
 
 // Every exponent below is a direct sum of the gates it spans, accumulated in double from its anchor
@@ -219,19 +245,25 @@ inline void solve_wy(ChunkWork& w, int64_t n) {
 // decay_last; the off-diagonal blocks of P are skipped).
 enum class ChunkNeeds { all, state_only };
 
-// Gathers rows [t_begin, t_begin + n) of (sequence, hv) and runs the intra-chunk steps.
-// Each step's time goes to the caller's phase clock.
+// The chunk's decay factors, L and P, and the WY solve, from rows [0, n) already in w. Each step's
+// time goes to the caller's phase clock.
+inline void prepare_gathered_chunk(ChunkWork& w, int64_t n, float scale, core::PhaseClock& clock,
+                                   ChunkNeeds needs = ChunkNeeds::all) {
+  build_decay_factors(w, n, scale);
+  clock.lap(core::Phase::decay_factors);
+  build_intra(w, n, scale, needs == ChunkNeeds::all);
+  clock.lap(core::Phase::intra_matrices);
+  solve_wy(w, n);
+  clock.lap(core::Phase::wy_solve);
+}
+
+// Gathers rows [t_begin, t_begin + n) of (sequence, hv), then prepare_gathered_chunk.
 inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
                           int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w, core::PhaseClock& clock,
                           ChunkNeeds needs = ChunkNeeds::all) {
   load_chunk_rows(plan, in, seq, hv, t_begin, n, w.rows());
   clock.lap(core::Phase::gather);
-  build_decay_factors(w, n, plan.scale);
-  clock.lap(core::Phase::decay_factors);
-  build_intra(w, n, plan.scale, needs == ChunkNeeds::all);
-  clock.lap(core::Phase::intra_matrices);
-  solve_wy(w, n);
-  clock.lap(core::Phase::wy_solve);
+  prepare_gathered_chunk(w, n, plan.scale, clock, needs);
 }
 
 // Vn = U - W S, written over U (rows [0, n)); S is the K-first state entering the chunk.

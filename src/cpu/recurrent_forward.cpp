@@ -18,28 +18,9 @@
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 
-// Value heads per work item. The rows of adjacent heads of one token are adjacent in memory, so a
-// group of heads reads each token's rows as one run, where one head alone reads rows a whole [H, K]
-// row apart (a stand-alone copy of 8 adjacent heads' 512-byte rows per token ran 1.4-1.7x faster
-// than head by head; in the prefill at T=8192, H=32, K=V=128 the gather's memory cost, seen with the
-// prefetches off, halved). The group is at most 8 heads and ~4 MB of per-thread memory (states, two
-// blocks of rows and the output rows), and is halved while there would be fewer than two items per
-// thread. Heads are computed independently, so the grouping changes no result.
-constexpr int64_t kMaxHeadsPerItem = 8;
-constexpr int64_t kMaxItemBytes = int64_t{4} << 20;
-
-int64_t heads_per_item(const core::Plan& plan, int threads) {
-  const int64_t head_bytes = ForwardWork::bytes_per_head(plan.K, plan.V);
-  int64_t heads =
-      std::clamp<int64_t>(kMaxItemBytes / head_bytes, 1, std::min<int64_t>(kMaxHeadsPerItem, plan.HV));
-  const auto items = [&](int64_t g) { return plan.num_sequences() * ((plan.HV + g - 1) / g); };
-  while (heads > 1 && items(heads) < 2 * static_cast<int64_t>(threads)) heads = (heads + 1) / 2;
-  return heads;
-}
-
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                       core::Runner& run) {
-  const int64_t heads = heads_per_item(plan, run.threads());
+  const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t items = plan.num_sequences() * groups;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
