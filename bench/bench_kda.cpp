@@ -19,6 +19,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -47,7 +48,7 @@ next to this machine's OpenBLAS sgemm rate at the same thread count, and where t
                    one shape (default: the issue-9 set: B=1 T=8192 H=32 K=V=128; T=4096 H=16;
                    K=V=64; HV=2H; all fp32 inputs plus a bf16 prefill)
   --threads LIST   thread counts, comma-separated (default 1,2)
-  --reps N         timed runs per figure, the median is shown (default 3, after one warm-up)
+  --reps N         timed rounds (each figure once per round), medians shown (default 3, after a warm-up)
   --sgemm-n N      sgemm size N x N x N (default 2048)
   --no-backward    skip the training (forward+backward) timing
   --no-profile     skip the per-phase breakdown
@@ -185,26 +186,25 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
-// Median sgemm GFLOP/s at n x n x n, or nullopt without OpenBLAS.
-std::optional<double> sgemm_gflops(int n, int threads, int reps) {
+// One n x n x n sgemm on `threads` threads, or an empty function without OpenBLAS. Its settle
+// sleeps half a second: OpenBLAS' worker threads spin for a while after a call, and would take the
+// cores from the KDA call timed next.
+kda_demo::Timed sgemm_call(int n, int threads) {
 #ifdef KDA_BENCH_HAVE_OPENBLAS
-  openblas_set_num_threads(threads);
   const size_t count = static_cast<size_t>(n) * n;
-  std::vector<float> a(count), b(count), c(count);
+  auto m = std::make_shared<std::vector<float>>(3 * count);
   hs::Rng rng(42);
-  for (size_t i = 0; i < count; ++i) {
-    a[i] = static_cast<float>(rng.uniform() - 0.5);
-    b[i] = static_cast<float>(rng.uniform() - 0.5);
-  }
-  const std::vector<double> t = kda_demo::time_runs("sgemm", reps, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
-                c.data(), n);
-  });
-  openblas_set_num_threads(1);
-  return 2.0 * n * n * static_cast<double>(n) / kda_demo::median(t) / 1e9;
+  for (size_t i = 0; i < 2 * count; ++i) (*m)[i] = static_cast<float>(rng.uniform() - 0.5);
+  return {[m, n, count, threads] {
+            openblas_set_num_threads(threads);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, m->data(), n,
+                        m->data() + count, n, 0.0f, m->data() + 2 * count, n);
+            openblas_set_num_threads(1);
+          },
+          [] { std::this_thread::sleep_for(std::chrono::milliseconds(500)); }};
 #else
-  (void)n, (void)threads, (void)reps;
-  return std::nullopt;
+  (void)n, (void)threads;
+  return {};
 #endif
 }
 
@@ -256,7 +256,7 @@ void print_profile(const std::string& title, double token_heads) {
   }
 }
 
-int run_shape(const Options& o, const hs::Case& s, const std::vector<std::optional<double>>& sgemm) {
+int run_shape(const Options& o, const hs::Case& s) {
   std::printf("\n== %s ==\n", s.shape().c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "%s: generating inputs...\n", s.shape().c_str());
@@ -274,22 +274,34 @@ int run_shape(const Options& o, const hs::Case& s, const std::vector<std::option
   const double rec_fph = kda_demo::recurrent_flops_per_token_head(s.K, s.V);
 
   const size_t nt = o.threads.size();
-  auto forward_series = [&](const hs::Data& data, kda_demo::ForwardPath path, const std::string& label) {
-    Series r;
-    for (int t : o.threads) {
-      try {
-        r.seconds.push_back(kda_demo::time_forward(data, path, t, o.reps, label));
-      } catch (const std::exception& e) {
-        r.seconds.push_back(std::nullopt);
-        r.error = e.what();
-      }
+  // Per thread count, sgemm and the four forward figures in interleaved rounds (time_interleaved),
+  // so that each share of sgemm compares runs that met the same load.
+  std::vector<std::optional<double>> sgemm;  // GFLOP/s
+  Series prefill, chunked, recurrent, prefill16;
+  for (int t : o.threads) {
+    std::vector<kda_demo::Timed> calls;
+    calls.push_back(sgemm_call(o.sgemm_n, t));
+    const bool have_sgemm = static_cast<bool>(calls[0].call);
+    if (!have_sgemm) calls.pop_back();
+    calls.push_back({kda_demo::forward_call(d, kda_demo::ForwardPath::prefill, t)});
+    calls.push_back({kda_demo::forward_call(d, kda_demo::ForwardPath::chunked_kernel, t)});
+    calls.push_back({kda_demo::forward_call(d, kda_demo::ForwardPath::recurrent_kernel, t)});
+    calls.push_back({kda_demo::forward_call(d16, kda_demo::ForwardPath::prefill, t)});
+    kda_demo::time_interleaved("sgemm and forward paths" + kda_demo::threads_tag(t), o.reps, calls);
+    const kda_demo::Timed* f = calls.data();
+    if (have_sgemm) {
+      const double flops = 2.0 * o.sgemm_n * o.sgemm_n * static_cast<double>(o.sgemm_n);
+      sgemm.push_back(f->median ? std::optional<double>(flops / *f->median / 1e9) : std::nullopt);
+      ++f;
+    } else {
+      sgemm.push_back(std::nullopt);
     }
-    return r;
-  };
-  const Series prefill = forward_series(d, kda_demo::ForwardPath::prefill, "prefill");
-  const Series chunked = forward_series(d, kda_demo::ForwardPath::chunked_kernel, "chunked kernel");
-  const Series recurrent = forward_series(d, kda_demo::ForwardPath::recurrent_kernel, "recurrent kernel");
-  const Series prefill16 = forward_series(d16, kda_demo::ForwardPath::prefill, "bf16 prefill");
+    for (Series* series : {&prefill, &chunked, &recurrent, &prefill16}) {
+      series->seconds.push_back(f->median);
+      if (!f->median) series->error = f->error;
+      ++f;
+    }
+  }
   Series train_fwd, train_bwd;
   if (o.backward) {
     for (int t : o.threads) {
@@ -415,7 +427,8 @@ int run(const Options& o, const std::string& coretype_note) {
 #endif
   std::printf(
       "inputs: fp32 (and bf16 q, k, v, g, beta for the bf16 row), log-decay gate (mild), a random\n"
-      "initial state; median of %d runs after a warm-up\n",
+      "initial state; medians of %d rounds after a warm-up, each round timing sgemm and the forward\n"
+      "figures once in turn (so they meet the same load); forward+backward: median of as many steps\n",
       o.reps);
   std::printf(
       "FLOPs per token and head: recurrent 7 K V (114.7 k at K = V = 128), chunked\n"
@@ -424,14 +437,7 @@ int run(const Options& o, const std::string& coretype_note) {
   std::printf("gain: speed on this thread count over speed on the first\n");
   std::fflush(stdout);
 
-  // sgemm first, for every thread count: OpenBLAS' worker threads then go idle before KDA runs.
-  std::vector<std::optional<double>> sgemm;
-  for (int t : o.threads) {
-    std::fprintf(stderr, "sgemm %d^3 on %d thread(s)...\n", o.sgemm_n, t);
-    sgemm.push_back(sgemm_gflops(o.sgemm_n, t, std::max(o.reps, 5)));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  for (const hs::Case& s : o.shapes) run_shape(o, s, sgemm);
+  for (const hs::Case& s : o.shapes) run_shape(o, s);
   return 0;
 }
 

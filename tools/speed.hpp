@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -20,7 +21,9 @@ namespace kda_demo {
 
 // Nominal FLOPs per token per value head (multiply and add counted separately).
 //  - recurrent: per token the decay, k^T S, the rank-1 correction and q^T S touch the K x V state
-//    seven times: 7 K V (114.7 kFLOP at K = V = 128).
+//    seven times: 7 K V (114.7 kFLOP at K = V = 128). Nominal: the plain recurrence's count, kept as
+//    the yardstick of the issue-9 targets; the CPU sweep skips the decay inside runs of tokens
+//    (cpu/recurrent-inl.h) and does ~6 K V.
 //  - chunked (C = 64 rows): the three products with the state (q.S, W.S, K^T.Vn) cost 6 K V per row;
 //    the intra-chunk products (L and P over K, P.Vn, and T applied to K and V, all triangular) cost
 //    3 C (K + V); the triangular solve and the decay factors about 5/6 C^2.
@@ -77,23 +80,71 @@ inline std::string threads_tag(int threads) {
   return " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
 }
 
-// Median seconds of one forward path without chunk states (a prefill); throws what the call throws.
-// reps = 0 makes the warm-up call only and returns 0 (a single call, e.g. to profile it).
-inline double time_forward(const kda::harness::Data& d, ForwardPath path, int threads, int reps,
-                           const std::string& label) {
+// One call of a forward path without chunk states (a prefill), with its own output buffers (the
+// callable keeps them); it throws what the call throws.
+inline std::function<void()> forward_call(const kda::harness::Data& d, ForwardPath path, int threads) {
   namespace hs = kda::harness;
-  const kda::Problem p = d.problem();
-  const kda::ForwardInputs in = d.inputs();
-  hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/false);
-  const kda::ForwardOutputs out = hs::forward_outputs(fb);
+  const auto fb =
+      std::make_shared<hs::ForwardOut>(hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/false));
+  const kda::ForwardOutputs out = hs::forward_outputs(*fb);
   kda::RunOptions o{threads};
   if (path == ForwardPath::chunked_kernel) o.forward_kernel = kda::ForwardKernel::chunked;
-  return median(time_runs(label.empty() ? "" : label + threads_tag(threads), reps, [&] {
+  return [p = d.problem(), in = d.inputs(), fb, out, o, path] {
     if (path == ForwardPath::recurrent_kernel)
       kda::recurrent_forward(p, in, out, o);
     else
       kda::chunk_forward(p, in, out, o);
-  }));
+  };
+}
+
+// Median seconds of one forward path without chunk states (a prefill); throws what the call throws.
+// reps = 0 makes the warm-up call only and returns 0 (a single call, e.g. to profile it).
+inline double time_forward(const kda::harness::Data& d, ForwardPath path, int threads, int reps,
+                           const std::string& label) {
+  return median(
+      time_runs(label.empty() ? "" : label + threads_tag(threads), reps, forward_call(d, path, threads)));
+}
+
+// A call timed among others by time_interleaved: its median seconds, or why it threw. `settle`, if
+// set, runs after each of its runs, untimed (e.g. to let a library's spinning worker threads idle).
+struct Timed {
+  std::function<void()> call;
+  std::function<void()> settle = {};
+  std::optional<double> median = std::nullopt;
+  std::string error = {};
+};
+
+// Runs every call once to warm up, then `reps` rounds that each time one run of every call in turn,
+// and sets each call's median. Interleaved, the calls being compared meet the same bursts of load
+// from the machine's other tenants; timed in blocks one after the other, one call can get a quiet
+// minute and the next a busy one (on shared cores the same code's medians moved by 20-40% between
+// blocks). A call that throws gets no median and keeps the reason. Progress goes to stderr when
+// `label` is not empty and a round took over a second.
+inline void time_interleaved(const std::string& label, int reps, std::vector<Timed>& calls) {
+  std::vector<std::vector<double>> times(calls.size());
+  std::vector<bool> ok(calls.size(), true);
+  for (int r = -1; r < reps; ++r) {  // r = -1: the warm-up
+    const auto round_start = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (!ok[i]) continue;
+      try {
+        const auto t0 = std::chrono::steady_clock::now();
+        calls[i].call();
+        if (r >= 0) times[i].push_back(seconds_since(t0));
+        if (calls[i].settle) calls[i].settle();
+      } catch (const std::exception& e) {
+        ok[i] = false;
+        calls[i].error = e.what();
+      }
+    }
+    const double took = seconds_since(round_start);
+    if (!label.empty() && took > 1.0)
+      std::fprintf(
+          stderr, "  %s: %s %.2f s\n", label.c_str(),
+          r < 0 ? "warm-up" : ("round " + std::to_string(r + 1) + "/" + std::to_string(reps)).c_str(), took);
+  }
+  for (size_t i = 0; i < calls.size(); ++i)
+    if (ok[i] && !times[i].empty()) calls[i].median = median(times[i]);
 }
 
 // Median seconds of a training step's forward (keeping chunk_states) and backward, timed separately
@@ -128,17 +179,13 @@ inline std::pair<double, double> time_training(const kda::harness::Data& d,
 inline SpeedResult measure_speed(const kda::harness::Data& d, const kda::harness::Cotangents* ct, int threads,
                                  int reps) {
   SpeedResult r;
-  const auto forward = [&](const std::string& label, ForwardPath path, std::optional<double>& result,
-                           std::string& error) {
-    try {
-      result = time_forward(d, path, threads, reps, label);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  };
-  forward("chunk_forward", ForwardPath::prefill, r.prefill_fwd, r.prefill_fwd_error);
-  forward("chunked kernel", ForwardPath::chunked_kernel, r.chunk_fwd, r.chunk_fwd_error);
-  forward("recurrent_forward", ForwardPath::recurrent_kernel, r.recurrent_fwd, r.recurrent_fwd_error);
+  std::vector<Timed> forward;  // the three forward paths, interleaved
+  for (ForwardPath path : {ForwardPath::prefill, ForwardPath::chunked_kernel, ForwardPath::recurrent_kernel})
+    forward.push_back({forward_call(d, path, threads)});
+  time_interleaved("forward paths" + threads_tag(threads), reps, forward);
+  r.prefill_fwd = forward[0].median, r.prefill_fwd_error = forward[0].error;
+  r.chunk_fwd = forward[1].median, r.chunk_fwd_error = forward[1].error;
+  r.recurrent_fwd = forward[2].median, r.recurrent_fwd_error = forward[2].error;
   if (ct != nullptr) {
     try {
       const auto [fwd, bwd] = time_training(d, *ct, threads, reps, "chunk forward+backward");
