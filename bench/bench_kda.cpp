@@ -48,7 +48,7 @@ next to this machine's OpenBLAS sgemm rate at the same thread count, and where t
                    one shape (default: the issue-9 set: B=1 T=8192 H=32 K=V=128; T=4096 H=16;
                    K=V=64; HV=2H; all fp32 inputs plus a bf16 prefill)
   --threads LIST   thread counts, comma-separated (default 1,2)
-  --reps N         timed rounds (each figure once per round), medians shown (default 3, after a warm-up)
+  --reps N         timed rounds (each figure once per round), medians shown (default 3)
   --sgemm-n N      sgemm size N x N x N (default 2048)
   --no-backward    skip the training (forward+backward) timing
   --no-profile     skip the per-phase breakdown
@@ -427,8 +427,9 @@ int run(const Options& o, const std::string& coretype_note) {
 #endif
   std::printf(
       "inputs: fp32 (and bf16 q, k, v, g, beta for the bf16 row), log-decay gate (mild), a random\n"
-      "initial state; medians of %d rounds after a warm-up, each round timing sgemm and the forward\n"
-      "figures once in turn (so they meet the same load); forward+backward: median of as many steps\n",
+      "initial state; medians of %d rounds, each round running sgemm and the forward figures in turn\n"
+      "(so they meet the same load), each twice and timing the second; forward+backward: the median of\n"
+      "as many steps after a warm-up\n",
       o.reps);
   std::printf(
       "FLOPs per token and head: recurrent 7 K V (114.7 k at K = V = 128), chunked\n"

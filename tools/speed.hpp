@@ -80,20 +80,23 @@ inline std::string threads_tag(int threads) {
   return " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
 }
 
-// One call of a forward path without chunk states (a prefill), with its own output buffers (the
-// callable keeps them); it throws what the call throws.
+// One call of a forward path without chunk states (a prefill), with its own output buffers, made
+// on the first call (so that running out of memory is the call's exception, reported with its
+// figure); it throws what the call throws. The callable keeps the buffers; d must outlive it.
 inline std::function<void()> forward_call(const kda::harness::Data& d, ForwardPath path, int threads) {
   namespace hs = kda::harness;
-  const auto fb =
-      std::make_shared<hs::ForwardOut>(hs::forward_buffers(d, /*final_state=*/true, /*chunk_states=*/false));
-  const kda::ForwardOutputs out = hs::forward_outputs(*fb);
   kda::RunOptions o{threads};
   if (path == ForwardPath::chunked_kernel) o.forward_kernel = kda::ForwardKernel::chunked;
-  return [p = d.problem(), in = d.inputs(), fb, out, o, path] {
+  auto buffers = std::make_shared<std::unique_ptr<hs::ForwardOut>>();
+  return [&d, buffers, o, path] {
+    if (!*buffers)
+      *buffers = std::make_unique<hs::ForwardOut>(hs::forward_buffers(d, /*final_state=*/true,
+                                                                      /*chunk_states=*/false));
+    const kda::ForwardOutputs out = hs::forward_outputs(**buffers);
     if (path == ForwardPath::recurrent_kernel)
-      kda::recurrent_forward(p, in, out, o);
+      kda::recurrent_forward(d.problem(), d.inputs(), out, o);
     else
-      kda::chunk_forward(p, in, out, o);
+      kda::chunk_forward(d.problem(), d.inputs(), out, o);
   };
 }
 
@@ -114,23 +117,26 @@ struct Timed {
   std::string error = {};
 };
 
-// Runs every call once to warm up, then `reps` rounds that each time one run of every call in turn,
-// and sets each call's median. Interleaved, the calls being compared meet the same bursts of load
-// from the machine's other tenants; timed in blocks one after the other, one call can get a quiet
-// minute and the next a busy one (on shared cores the same code's medians moved by 20-40% between
-// blocks). A call that throws gets no median and keeps the reason. Progress goes to stderr when
-// `label` is not empty and a round took over a second.
+// Times `reps` rounds that each run every call in turn, twice in a row, timing the second run, and
+// sets each call's median. Interleaved, the calls being compared meet the same bursts of load from
+// the machine's other tenants; timed in blocks one after the other, one call can get a quiet minute
+// and the next a busy one (on shared cores the same code's medians moved by 20-40% between blocks).
+// The untimed first run puts the call's own data in cache, as back-to-back runs of one call had it,
+// instead of charging it with what the call before it (another dtype, sgemm) left there. A call
+// that throws gets no median and keeps the reason. Progress goes to stderr when `label` is not
+// empty and a round took over a second.
 inline void time_interleaved(const std::string& label, int reps, std::vector<Timed>& calls) {
   std::vector<std::vector<double>> times(calls.size());
   std::vector<bool> ok(calls.size(), true);
-  for (int r = -1; r < reps; ++r) {  // r = -1: the warm-up
+  for (int r = 0; r < reps; ++r) {
     const auto round_start = std::chrono::steady_clock::now();
     for (size_t i = 0; i < calls.size(); ++i) {
       if (!ok[i]) continue;
       try {
+        calls[i].call();
         const auto t0 = std::chrono::steady_clock::now();
         calls[i].call();
-        if (r >= 0) times[i].push_back(seconds_since(t0));
+        times[i].push_back(seconds_since(t0));
         if (calls[i].settle) calls[i].settle();
       } catch (const std::exception& e) {
         ok[i] = false;
@@ -139,9 +145,7 @@ inline void time_interleaved(const std::string& label, int reps, std::vector<Tim
     }
     const double took = seconds_since(round_start);
     if (!label.empty() && took > 1.0)
-      std::fprintf(
-          stderr, "  %s: %s %.2f s\n", label.c_str(),
-          r < 0 ? "warm-up" : ("round " + std::to_string(r + 1) + "/" + std::to_string(reps)).c_str(), took);
+      std::fprintf(stderr, "  %s: round %d/%d %.2f s\n", label.c_str(), r + 1, reps, took);
   }
   for (size_t i = 0; i < calls.size(); ++i)
     if (ok[i] && !times[i].empty()) calls[i].median = median(times[i]);
