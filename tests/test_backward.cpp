@@ -144,10 +144,10 @@ class BackwardParity : public ::testing::TestWithParam<BwdCase> {};
 
 TEST_P(BackwardParity, BothKernels) { check_both_kernels(GetParam()); }
 
-// The recurrent backward's checkpoints come from the forward's sweep (runs of tokens, see
-// ForwardAnchoredRuns): gates that start a run at every token (the plain sweep), runs of five, and
-// spikes inside runs, with padded key lanes (K = 40).
-TEST(BackwardAnchoredRuns, RunStartsPlacedByTheGates) {
+// Gates placed on purpose (see ForwardGatePatterns): e^-15 at every token, 2^-4.5 per token and
+// -1000 spikes on consecutive tokens, with padded key lanes (K = 40); the recurrent backward's
+// checkpoints come from its own forward pass and from the chunked forward's states.
+TEST(BackwardGatePatterns, PlacedDecays) {
   BwdCase bc;
   bc.c.T = 150;
   bc.c.H = 2;

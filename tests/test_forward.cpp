@@ -292,16 +292,12 @@ TEST(ForwardLong, T4096OneHead) {
   check_both_kernels(c);
 }
 
-// The recurrent sweep keeps the state anchored at the end of a run of tokens and starts a new run
-// where some channel's decay over the run would fall below 2^-20; a block whose runs average under
-// three tokens takes the plain sweep instead (recurrent-inl.h). Gates that place the run starts on
-// purpose: every token (a channel at e^-15 per token: plain), runs of five (2^-4.5 per token: two
-// steps of two tokens, then one), at the threshold (2^-5 per token) with a middle block of strong
-// decays (that block plain, the others anchored), and -1000 spikes on consecutive tokens inside
-// runs; blocks of 64 cut the runs; K = 40 has padded key lanes, V = 40 a partial column block. One
-// thread puts all four heads into one work item, sharing the anchoring scratch; two give items of
-// two heads.
-TEST(ForwardAnchoredRuns, RunStartsPlacedByTheGates) {
+// Gates placed on purpose, channel by channel: a decay of e^-15 at every token, 2^-4.5 and 2^-5 per
+// token (the sums of a few tokens' gates near 2^-20), a middle block of strong decays in one head,
+// and -1000 spikes on consecutive tokens; blocks of 64 cut the patterns; K = 40 has padded key
+// lanes, V = 40 a partial column block of the recurrent sweep. One thread puts all four heads into
+// one work item, two give items of two heads.
+TEST(ForwardGatePatterns, PlacedDecays) {
   Case c;
   c.T = 150;
   c.H = 2;
@@ -330,11 +326,9 @@ TEST(ForwardAnchoredRuns, RunStartsPlacedByTheGates) {
     }
 }
 
-// The anchored state is never larger than the plain one (its scale, the decay still to come, is
-// <= 1; only q and k are scaled up, by < 2^20): values of 1e33, states of ~1e34, stay finite in runs
-// of four tokens (e^-4.6 per token in one channel, the others without decay: scales down to
-// e^-13.8), where a state scaled up by those 1e6 would overflow, and meet the tolerance.
-TEST(ForwardAnchoredRuns, LargeValuesStayFinite) {
+// Values of 1e33 (states of ~1e34) stay finite and meet the tolerance: nothing in either kernel
+// scales the state up (a channel at e^-4.6 per token, the others without decay).
+TEST(ForwardGatePatterns, LargeValuesStayFinite) {
   Case c;
   c.T = 130;
   c.K = 64;

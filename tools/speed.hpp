@@ -21,9 +21,7 @@ namespace kda_demo {
 
 // Nominal FLOPs per token per value head (multiply and add counted separately).
 //  - recurrent: per token the decay, k^T S, the rank-1 correction and q^T S touch the K x V state
-//    seven times: 7 K V (114.7 kFLOP at K = V = 128). Nominal: the plain recurrence's count, kept as
-//    the yardstick of the issue-9 targets; the CPU sweep skips the decay inside runs of tokens
-//    (cpu/recurrent-inl.h) and does ~6 K V.
+//    seven times: 7 K V (114.7 kFLOP at K = V = 128).
 //  - chunked (C = 64 rows): the three products with the state (q.S, W.S, K^T.Vn) cost 6 K V per row;
 //    the intra-chunk products (L and P over K, P.Vn, and T applied to K and V, all triangular) cost
 //    3 C (K + V); the triangular solve and the decay factors about 5/6 C^2.

@@ -14,8 +14,7 @@ enum class Kernel : int { chunk_forward, recurrent_forward, chunk_backward, recu
 enum class Phase : int {
   gather,               // input rows into tiles, with the L2 norm, the fused gate and beta (in the
                         // recurrent forward also exp(g), done per slice as the rows arrive)
-  decay_factors,        // exp(g), exp(G), exp(G_last - G) and the decayed q / k rows (the recurrent
-                        // forward: q, k scaled to the start of their run, and the run starts)
+  decay_factors,        // exp(g), exp(G), exp(G_last - G) and the decayed q / k rows
   intra_matrices,       // L and P of a chunk
   wy_solve,             // (I + L) [W | U] = [beta K e^G | beta V]
   state_products,       // the products with the state: W S, Qe S, K^T Vn (forward)

@@ -11,10 +11,8 @@
 // work on column blocks that stay in L1 while a block of up to 64 tokens streams past them.
 //
 // Forward: the state lives as K-first column blocks [K][W] (W = 64 floats on AVX-512), each block
-// contiguous. Within a run of tokens the state is kept anchored at the run's end, so no decay
-// multiply is needed per token (anchor_rows), and the tokens go in steps of two: one pass over the
-// block's rows applies the previous step's updates and accumulates k^T S and q^T S of both tokens,
-// so the state is read and written once per two tokens (forward_columns).
+// contiguous. Per token, one pass over the block's rows does the update with r_t, the read-out of
+// o_t, the decay of token t+1 and its k_{t+1}^T S: the state is read and written once per token.
 //
 // Backward: a forward pass stores the state entering every 64-token segment (or the caller's
 // chunk_states are used). Segments are visited in reverse; per group of J state columns (held
@@ -46,7 +44,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "core/phase_clock.hpp"
@@ -59,9 +56,8 @@ namespace {
 
 constexpr int64_t kC = kChunkSize;
 
-// Vectors per row of a forward column block: accumulators for k^T S and q^T S of a step's two
-// tokens (4 * NV), the previous step's residuals (2 * NV) and the row being updated (NV) must fit
-// the register file (16 on AVX2, 32 on AVX-512).
+// Vectors per row of a forward column block: accumulators for k^T S and q^T S (2 * NV), the
+// residual (NV) and the row being updated must fit the register file (16 on AVX2, 32 on AVX-512).
 constexpr int kFwdVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
 // State columns per backward group: one k^T dS2 accumulator each, plus the shared row vectors.
 constexpr int kBwdColumns = (HWY_TARGET == HWY_AVX2) ? 4 : 8;
@@ -242,16 +238,14 @@ RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const
   return pf;
 }
 
-// The plain sweep, for blocks whose runs are too short to anchor (anchor_rows): tokens [0, n) of one
-// block of rows through one column block Sb [K][NV * L], one token per pass over the state, whose
-// pass does the update with r_t, the read-out of o_t, the decay of token t+1 and its k_{t+1}^T S.
+// Runs tokens [0, n) of one block of rows through one column block Sb [K][NV * L].
 // q, k, e: [n][Kp] (e = exp(g)); v, o: [n][Vp], already offset to the block's first column.
 template <int NV, bool kOutput>
-HWY_NOINLINE void plain_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* HWY_RESTRICT q,
-                                const float* HWY_RESTRICT k, const float* HWY_RESTRICT e,
-                                const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
-                                float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
-                                const PrefetchShare& pf) {
+HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* HWY_RESTRICT q,
+                                  const float* HWY_RESTRICT k, const float* HWY_RESTRICT e,
+                                  const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
+                                  float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
+                                  const PrefetchShare& pf) {
   const DF d;
   const int64_t L = lanes();
   const int64_t W = NV * L;
@@ -331,292 +325,19 @@ HWY_NOINLINE void plain_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, co
 }
 
 template <bool kOutput>
-void plain_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* q,
-                            const float* k, const float* e, const float* beta, const float* v, float* o,
-                            float* Sb, float scale, const PrefetchShare& pf) {
+void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const float* q,
+                              const float* k, const float* e, const float* beta, const float* v, float* o,
+                              float* Sb, float scale, const PrefetchShare& pf) {
   switch (nv) {
-    case 1: plain_columns<1, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
-    case 2: plain_columns<2, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
+    case 1: forward_columns<1, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
+    case 2: forward_columns<2, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf); break;
     case 3:
       if constexpr (kFwdVectors >= 3)
-        plain_columns<3, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
+        forward_columns<3, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
       break;
     case 4:
       if constexpr (kFwdVectors >= 4)
-        plain_columns<4, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
-      break;
-    default: break;
-  }
-}
-
-// Decay anchored at the end of a run of tokens. Multiplying the state by diag(e^{g_t}) at every
-// token was one of the four vector operations per state element and token. For a run of tokens
-// t0..t1 of a block, with F_t = prod_{t < s <= t1} e^{g_s} per key channel (the decay still to come
-// in the run; F_t1 = 1), the state is kept as S^ = diag(F_t) S, which the tokens of the run update
-// without any decay:
-//   u_t = (k_t / F_t)^T S^      S^ += (k_t F_t) r_t^T      o_t = scale (q_t / F_t)^T S^
-// At the run's start the entering (plain) state is multiplied by the run's whole decay
-// e^{g_t0} F_t0; at its end S^ is the plain state again. S^ is never larger than the plain state
-// (F <= 1), so the range of the plain recurrence is kept; each product (k / F) S^ has the magnitude
-// of the plain k^T S term, so the rounding errors are of the same order. A run ends before the token
-// where some channel's decay over the run (excluding its first token's) would fall below
-// kMinRunDecay, so 1 / F stays below 2^20 (scaling k and q, inputs of magnitude ~1); a strong decay
-// only makes runs short (one token at worst, which is the plain recurrence).
-constexpr float kMinRunDecay = 1.0f / static_cast<float>(1 << 20);
-
-// One head's block rows as the anchored sweep reads them (anchor_rows writes them in place).
-struct AnchoredRows {
-  const float* q;         // [n][Kp]: q_t / F_t
-  const float* k;         // [n][Kp]: k_t / F_t
-  const float* k_up;      // [n][Kp]: k_t F_t, the update's key row
-  const float* start;     // [n][Kp]: row t, where a run starts at t: its decay e^{g_t} F_t
-  const uint8_t* starts;  // [n]: 1 where a run starts (always at token 0)
-  const float* qk_same;   // [n]: q_t . k_up_t (= q_t . k_t)
-  const float* qk_next;   // [n]: q_{t+1} . k_up_t    } within a run: what token t's update adds
-  const float* kk_next;   // [n]: k_{t+1} . k_up_t    } to o_{t+1} and u_{t+1}
-  const float* beta;      // [n]
-  const float* v;         // [n][Vp], offset to the column block
-  bool plain = false;     // runs too short to anchor: the rows are as gathered, for plain_columns
-};
-
-// anchor_rows' scratch, per thread (shared by the heads of an item, one head at a time).
-struct AnchorWork {
-  Buffer<float> k_up, decay, dots;  // [kC][Kp], [Kp], 3 x [kC]
-  Buffer<uint8_t> starts;           // [kC]
-  explicit AnchorWork(int64_t Kp) {
-    k_up.reset(kC * Kp), decay.reset(Kp), dots.reset(3 * kC), starts.reset(kC);
-  }
-};
-
-// Rewrites rows [0, n) of one head's block for the anchored sweep: places the runs, scales q and k
-// by 1 / F_t in place, turns e (exp(g)) into the run's decay at each run's first token, and fills
-// the rest of AnchoredRows (but v) into a.
-AnchoredRows anchor_rows(int64_t n, int64_t Kp, float* q, float* k, float* e, const float* beta,
-                         AnchorWork& a) {
-  const DF d;
-  const int64_t L = lanes();
-  const VF one = hn::Set(d, 1.0f);
-  float* decay = a.decay.data();
-  float* k_up = a.k_up.data();
-  uint8_t* starts = a.starts.data();
-  // The runs: each token after a run's first multiplies the run's decay; a token that would take
-  // some channel below kMinRunDecay starts the next run (token 0 always starts one).
-  for (int64_t t = 0; t < n; ++t) {
-    const float* et = e + t * Kp;
-    bool start = t == 0;
-    if (!start) {
-      VF lowest = one;
-      for (int64_t i = 0; i < Kp; i += L) {
-        const VF D = hn::Mul(hn::LoadU(d, decay + i), hn::LoadU(d, et + i));
-        hn::StoreU(D, d, decay + i);
-        lowest = hn::Min(lowest, D);
-      }
-      start = hn::GetLane(hn::MinOfLanes(d, lowest)) < kMinRunDecay;
-    }
-    if (start)
-      for (int64_t i = 0; i < Kp; i += L) hn::StoreU(one, d, decay + i);
-    starts[t] = start ? 1 : 0;
-  }
-  float* qk_same = a.dots.data();
-  float* qk_next = qk_same + kC;
-  float* kk_next = qk_next + kC;
-  int64_t runs = 0;
-  for (int64_t t = 0; t < n; ++t) runs += starts[t];
-  // Runs of under three tokens on average (strong decays) leave many one-token passes and scaled
-  // pairs, with the anchoring's own cost on top: in cache, with runs of under two tokens the
-  // anchored sweep ran 7-8% slower than the plain one (strong and unbounded gates), and at the
-  // harness's strong gates (runs of ~2) still 7% slower. The plain sweep takes those blocks.
-  if (3 * runs > n) return {q, k, nullptr, e, nullptr, nullptr, nullptr, nullptr, beta, nullptr, true};
-  // Each run backwards from its last token: F_t1 = 1, F_{t-1} = F_t e_t.
-  for (int64_t t1 = n - 1; t1 >= 0;) {
-    int64_t t0 = t1;
-    while (!starts[t0]) --t0;
-    std::copy(k + t1 * Kp, k + (t1 + 1) * Kp, k_up + t1 * Kp);  // F_t1 = 1: k and q stay
-    std::copy(e + t1 * Kp, e + (t1 + 1) * Kp, decay);           // F_{t1 - 1}
-    for (int64_t t = t1 - 1; t >= t0; --t) {
-      float* et = e + t * Kp;
-      for (int64_t i = 0; i < Kp; i += L) {
-        const VF F = hn::LoadU(d, decay + i);
-        const VF inv = hn::Div(one, F);
-        const VF kt = hn::LoadU(d, k + t * Kp + i);
-        hn::StoreU(hn::Mul(kt, F), d, k_up + t * Kp + i);
-        hn::StoreU(hn::Mul(kt, inv), d, k + t * Kp + i);
-        hn::StoreU(hn::Mul(hn::LoadU(d, q + t * Kp + i), inv), d, q + t * Kp + i);
-        hn::StoreU(hn::Mul(F, hn::LoadU(d, et + i)), d, decay + i);  // F_{t-1}
-      }
-    }
-    // The run's decay, applied to the plain state entering it: e_t0 F_t0 (held in decay now).
-    if (t0 < t1) std::copy(decay, decay + Kp, e + t0 * Kp);
-    t1 = t0 - 1;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    qk_same[t] = dot(q + t * Kp, k_up + t * Kp, Kp);
-    const bool paired = t + 1 < n && !starts[t + 1];  // only read where t and t + 1 share a run
-    qk_next[t] = paired ? dot(q + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
-    kk_next[t] = paired ? dot(k + (t + 1) * Kp, k_up + t * Kp, Kp) : 0.0f;
-  }
-  return {q, k, k_up, e, starts, qk_same, qk_next, kk_next, beta, nullptr};
-}
-
-// One pass over the rows of a column block Sb [K][NV * L]: adds the previous step's kPrev updates
-// k_up r^T, scales the rows by `factor` (kScale, a run's first token), then accumulates u = k^T S
-// and o = q^T S for the kCur tokens of this step (token c's sums at c * NV + j). The state is read
-// and written once per step however many tokens it has, so a step of two tokens halves the state's
-// loads and stores; in a stand-alone copy of the loop (K = 128, 16 columns, in cache) a pass of
-// one anchored token took 1.41-1.47 ns per row, a pass of two 2.35-2.53 (1.17-1.27 per token).
-// A one-token step sums odd rows into the second token's free slots: with one FMA chain per sum
-// each row would wait on the previous row's FMA (latency 4-5 cycles, longer than the row's work).
-// Not inlined: each variant gets a register allocation of its own (inlined into forward_columns,
-// the pass of two tokens with a scale spilled four sums to the stack and ran at half speed).
-template <int NV, int kPrev, int kCur, bool kScale, bool kOutput>
-HWY_NOINLINE void state_pass(int64_t K, float* HWY_RESTRICT Sb, const float* const* up,
-                             const VectorArray<2 * NV>& rp, const float* factor, const float* const* kr,
-                             const float* const* qr, VectorArray<2 * NV>& u_out, VectorArray<2 * NV>& o_out) {
-  const DF d;
-  const int64_t L = lanes();
-  const int64_t W = NV * L;
-  // Local copies: sums and row pointers kept behind the references would be reloaded at every row
-  // (the state's stores might alias them).
-  const VectorArray<2 * NV> r_prev = rp;
-  const float* const up_rows[2] = {up[0], up[1]};
-  const float* const k_rows[2] = {kr ? kr[0] : nullptr, kr ? kr[1] : nullptr};
-  const float* const q_rows[2] = {qr ? qr[0] : nullptr, qr ? qr[1] : nullptr};
-  VectorArray<2 * NV> u, o;
-  for (int i = 0; i < 2 * NV; ++i) u.set(i, hn::Zero(d)), o.set(i, hn::Zero(d));
-  // Row r with token c's sums at slot (c + c_slot) * NV + j.
-  const auto row_op = [&](int64_t r, auto c_slot) HWY_ATTR {
-    float* row = Sb + r * W;
-    VectorArray<NV> s;
-    for (int j = 0; j < NV; ++j) s.set(j, hn::LoadU(d, row + j * L));
-    for (int p = 0; p < kPrev; ++p) {
-      const VF a = hn::Set(d, up_rows[p][r]);
-      for (int j = 0; j < NV; ++j) s.set(j, hn::MulAdd(a, r_prev.get(p * NV + j), s.get(j)));
-    }
-    if constexpr (kScale) {
-      const VF f = hn::Set(d, factor[r]);
-      for (int j = 0; j < NV; ++j) s.set(j, hn::Mul(s.get(j), f));
-    }
-    for (int c = 0; c < kCur; ++c) {
-      const int at = (c + decltype(c_slot)::value) * NV;
-      const VF x = hn::Set(d, k_rows[c][r]);
-      for (int j = 0; j < NV; ++j) u.set(at + j, hn::MulAdd(x, s.get(j), u.get(at + j)));
-      if constexpr (kOutput) {
-        const VF y = hn::Set(d, q_rows[c][r]);
-        for (int j = 0; j < NV; ++j) o.set(at + j, hn::MulAdd(y, s.get(j), o.get(at + j)));
-      }
-    }
-    for (int j = 0; j < NV; ++j) hn::StoreU(s.get(j), d, row + j * L);
-  };
-  using Slot0 = std::integral_constant<int, 0>;
-  using Slot1 = std::integral_constant<int, 1>;
-  int64_t r = 0;
-  if constexpr (kCur == 1) {
-    for (; r + 1 < K; r += 2) row_op(r, Slot0{}), row_op(r + 1, Slot1{});
-    for (; r < K; ++r) row_op(r, Slot0{});
-    for (int j = 0; j < NV; ++j) {
-      u.set(j, hn::Add(u.get(j), u.get(NV + j)));
-      if constexpr (kOutput) o.set(j, hn::Add(o.get(j), o.get(NV + j)));
-    }
-  } else {
-    for (; r < K; ++r) row_op(r, Slot0{});
-  }
-  u_out = u, o_out = o;
-}
-
-// state_pass for run-time (prev, cur, scaled): a step has one or two tokens and scales where its
-// first token starts a run; the first step (prev = 0) always does, and the closing pass (cur = 0)
-// has no tokens.
-template <int NV, bool kOutput>
-HWY_INLINE void state_pass_dispatch(int prev, int cur, bool scaled, int64_t K, float* Sb,
-                                    const float* const* up, const VectorArray<2 * NV>& rp,
-                                    const float* factor, const float* const* kr, const float* const* qr,
-                                    VectorArray<2 * NV>& u, VectorArray<2 * NV>& o) {
-  const auto run = [&](auto P, auto C, auto S) HWY_ATTR {
-    state_pass<NV, decltype(P)::value, decltype(C)::value, decltype(S)::value, kOutput>(K, Sb, up, rp, factor,
-                                                                                        kr, qr, u, o);
-  };
-  using I0 = std::integral_constant<int, 0>;
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  using Yes = std::true_type;
-  using No = std::false_type;
-  if (prev == 0) return cur == 1 ? run(I0{}, I1{}, Yes{}) : run(I0{}, I2{}, Yes{});
-  const auto with_prev = [&](auto P) HWY_ATTR {
-    if (cur == 0) return run(P, I0{}, No{});
-    if (cur == 1) return scaled ? run(P, I1{}, Yes{}) : run(P, I1{}, No{});
-    return scaled ? run(P, I2{}, Yes{}) : run(P, I2{}, No{});
-  };
-  if (prev == 1) return with_prev(I1{});
-  with_prev(I2{});
-}
-
-// Runs tokens [0, n) of one block of anchored rows through one column block Sb [K][NV * L]; o
-// ([n][Vp]) is offset to the block's first column. Tokens go in steps of two within a run (one
-// where the next token starts a run); a step's pass over the state applies the previous step's
-// updates, then accumulates u and o of its tokens, and the second token's u and o are completed
-// with what the first token's update adds:
-//   u_{t+1} += (k_{t+1} . k_up_t) r_t     o_{t+1} += (q_{t+1} . k_up_t) r_t + (q_{t+1} . k_up_{t+1}) r_{t+1}
-template <int NV, bool kOutput>
-HWY_NOINLINE void forward_columns(int64_t K, int64_t n, int64_t Kp, int64_t Vp, const AnchoredRows& in,
-                                  float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, float scale,
-                                  const PrefetchShare& pf) {
-  const DF d;
-  const int64_t L = lanes();
-  const VF vs = hn::Set(d, scale);
-  VectorArray<2 * NV> rp, u, out;  // the previous step's residuals; this step's sums
-  for (int i = 0; i < 2 * NV; ++i) rp.set(i, hn::Zero(d));
-  int prev = 0;
-  int64_t tp = 0;  // the previous step's first token
-  for (int64_t t = 0; t < n;) {
-    const int cur = (t + 1 < n && !in.starts[t + 1]) ? 2 : 1;
-    for (int c = 0; c < cur; ++c) pf.step(t + c, n);
-    const float* up[2] = {in.k_up + tp * Kp, in.k_up + (tp + 1) * Kp};
-    const float* kr[2] = {in.k + t * Kp, in.k + (t + 1) * Kp};
-    const float* qr[2] = {in.q + t * Kp, in.q + (t + 1) * Kp};
-    state_pass_dispatch<NV, kOutput>(prev, cur, in.starts[t] != 0, K, Sb, up, rp, in.start + t * Kp, kr, qr,
-                                     u, out);
-    const VF b0 = hn::Set(d, in.beta[t]);
-    for (int j = 0; j < NV; ++j)
-      rp.set(j, hn::Mul(b0, hn::Sub(hn::LoadU(d, in.v + t * Vp + j * L), u.get(j))));
-    if (cur == 2) {
-      const VF b1 = hn::Set(d, in.beta[t + 1]);
-      const VF kk = hn::Set(d, in.kk_next[t]);
-      for (int j = 0; j < NV; ++j) {
-        const VF u1 = hn::MulAdd(kk, rp.get(j), u.get(NV + j));
-        rp.set(NV + j, hn::Mul(b1, hn::Sub(hn::LoadU(d, in.v + (t + 1) * Vp + j * L), u1)));
-      }
-    }
-    if constexpr (kOutput) {
-      const VF qk0 = hn::Set(d, in.qk_same[t]);
-      for (int j = 0; j < NV; ++j)
-        hn::StoreU(hn::Mul(vs, hn::MulAdd(qk0, rp.get(j), out.get(j))), d, o + t * Vp + j * L);
-      if (cur == 2) {
-        const VF qk10 = hn::Set(d, in.qk_next[t]);
-        const VF qk11 = hn::Set(d, in.qk_same[t + 1]);
-        for (int j = 0; j < NV; ++j) {
-          const VF sum = hn::MulAdd(qk11, rp.get(NV + j), hn::MulAdd(qk10, rp.get(j), out.get(NV + j)));
-          hn::StoreU(hn::Mul(vs, sum), d, o + (t + 1) * Vp + j * L);
-        }
-      }
-    }
-    prev = cur, tp = t, t += cur;
-  }
-  // The last step's updates: the block's last token ends a run, where the state is plain again.
-  const float* up[2] = {in.k_up + tp * Kp, in.k_up + (tp + 1) * Kp};
-  state_pass_dispatch<NV, kOutput>(prev, 0, false, K, Sb, up, rp, nullptr, nullptr, nullptr, u, out);
-}
-
-template <bool kOutput>
-void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t Vp, const AnchoredRows& in,
-                              float* o, float* Sb, float scale, const PrefetchShare& pf) {
-  switch (nv) {
-    case 1: forward_columns<1, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf); break;
-    case 2: forward_columns<2, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf); break;
-    case 3:
-      if constexpr (kFwdVectors >= 3) forward_columns<3, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf);
-      break;
-    case 4:
-      if constexpr (kFwdVectors >= 4) forward_columns<4, kOutput>(K, n, Kp, Vp, in, o, Sb, scale, pf);
+        forward_columns<4, kOutput>(K, n, Kp, Vp, q, k, e, beta, v, o, Sb, scale, pf);
       break;
     default: break;
   }
@@ -658,21 +379,19 @@ struct ForwardWork {
   Buffer<float> S;              // blocked states, K * Vp per head
   BlockRows rows[2];            // the block being swept and the next one, gathered during the sweep
   Buffer<float> o;              // output rows of one block, kC * Vp per head
-  AnchorWork anchor;            // anchor_rows' scratch
   ForwardWork(int64_t K_, int64_t V_, int64_t heads_)
       : K(K_),
         V(V_),
         Kp(padded(K_)),
         Vp(padded(V_)),
         heads(heads_),
-        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)},
-        anchor(Kp) {
+        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)} {
     S.reset(heads * K * Vp);
     o.reset(heads * kC * Vp);
   }
   BlockedState state(int64_t j) const { return {K, Vp, block_width(), S.data() + j * K * Vp}; }
   float* output(int64_t j) const { return o.data() + j * kC * Vp; }
-  // The bytes the constructor allocates per head (anchor, ~33 KB at K=128, is shared).
+  // The bytes the constructor allocates per head.
   static int64_t bytes_per_head(int64_t K, int64_t V) {
     const int64_t Kp = padded(K), Vp = padded(V);
     return static_cast<int64_t>(sizeof(float)) * (K * Vp + 2 * kC * (3 * Kp + Vp + 1) + kC * Vp);
@@ -738,18 +457,11 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
     for (int64_t j = 0; j < heads; ++j) {
       const BlockedState S = w.state(j);
       const ChunkRows rows = cur.from(j, 0);
-      AnchoredRows anchored = anchor_rows(n, Kp, rows.q, rows.k, rows.g, rows.beta, w.anchor);
-      clock.lap(core::Phase::decay_factors);
       for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
         const int nv = static_cast<int>(S.width(c0) / L);
         const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
-        anchored.v = rows.v + c0;
-        if (anchored.plain)
-          plain_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
+        forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
                                           w.output(j) + c0, S.block(c0), plan.scale, share);
-        else
-          forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, anchored, w.output(j) + c0, S.block(c0),
-                                            plan.scale, share);
         clock.lap(core::Phase::recurrent_sweep);
         if (next_n > 0) {
           gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
