@@ -48,7 +48,8 @@ next to this machine's OpenBLAS sgemm rate at the same thread count, and where t
                    one shape (default: the issue-9 set: B=1 T=8192 H=32 K=V=128; T=4096 H=16;
                    K=V=64; HV=2H; all fp32 inputs plus a bf16 prefill)
   --threads LIST   thread counts, comma-separated (default 1,2)
-  --reps N         timed rounds (each figure once per round), medians shown (default 3)
+  --reps N         timed rounds (each forward figure and sgemm run twice per round, the second
+                   timed), medians shown (default 3); forward+backward: the median of N steps
   --sgemm-n N      sgemm size N x N x N (default 2048)
   --no-backward    skip the training (forward+backward) timing
   --no-profile     skip the per-phase breakdown

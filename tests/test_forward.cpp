@@ -293,10 +293,9 @@ TEST(ForwardLong, T4096OneHead) {
 }
 
 // Gates placed on purpose, channel by channel: a decay of e^-15 at every token, 2^-4.5 and 2^-5 per
-// token (the sums of a few tokens' gates near 2^-20), a middle block of strong decays in one head,
-// and -1000 spikes on consecutive tokens; blocks of 64 cut the patterns; K = 40 has padded key
-// lanes, V = 40 a partial column block of the recurrent sweep. One thread puts all four heads into
-// one work item, two give items of two heads.
+// token, a middle block of strong decays in one head, and -1000 spikes on consecutive tokens;
+// blocks of 64 cut the patterns; K = 40 has padded key lanes, V = 40 a partial column block of the
+// recurrent sweep. One thread gives work items of two heads, two threads items of one.
 TEST(ForwardGatePatterns, PlacedDecays) {
   Case c;
   c.T = 150;

@@ -63,8 +63,8 @@ check options:
 bench options:
   --B N --T N --H N --K N --V N   shape (default B=1 T=8192 H=32 K=V=128, fp32)
   --threads LIST thread counts, comma-separated (default 1 and every core)
-  --reps N       timed rounds (each forward path once per round), medians shown (default 3);
-                 forward+backward: the median of as many steps after a warm-up
+  --reps N       timed rounds (each forward path run twice per round, the second timed), medians
+                 shown (default 3); forward+backward: the median of as many steps after a warm-up
   --no-backward  skip the forward+backward timing
 
 decode options:
@@ -428,8 +428,9 @@ int run_bench(const Options& o) {
   const double rec_fpt = kda_demo::recurrent_flops_per_token_head(s.K, s.V) * static_cast<double>(s.HV);
   const int64_t tokens = s.B * s.T;
 
-  std::printf("kda bench: %s fp32, log-decay gate (mild), medians of %d interleaved rounds\n",
-              s.shape().c_str(), o.reps.value_or(3));
+  std::printf(
+      "kda bench: %s fp32, log-decay gate (mild), medians of %d (forward paths: interleaved rounds)\n",
+      s.shape().c_str(), o.reps.value_or(3));
   std::printf("kernels dispatch to SIMD target %s\n", kda::simd_target());
   std::printf("nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k\n\n",
               kda_demo::chunk_flops_per_token_head(s.K, s.V) / 1e3,

@@ -107,7 +107,8 @@ inline double time_forward(const kda::harness::Data& d, ForwardPath path, int th
 }
 
 // A call timed among others by time_interleaved: its median seconds, or why it threw. `settle`, if
-// set, runs after each of its runs, untimed (e.g. to let a library's spinning worker threads idle).
+// set, runs once per round after the timed run, untimed (e.g. to let a library's spinning worker
+// threads go idle before the next call).
 struct Timed {
   std::function<void()> call;
   std::function<void()> settle = {};
@@ -181,13 +182,17 @@ inline std::pair<double, double> time_training(const kda::harness::Data& d,
 inline SpeedResult measure_speed(const kda::harness::Data& d, const kda::harness::Cotangents* ct, int threads,
                                  int reps) {
   SpeedResult r;
-  std::vector<Timed> forward;  // the three forward paths, interleaved
-  for (ForwardPath path : {ForwardPath::prefill, ForwardPath::chunked_kernel, ForwardPath::recurrent_kernel})
-    forward.push_back({forward_call(d, path, threads)});
-  time_interleaved("forward paths" + threads_tag(threads), reps, forward);
-  r.prefill_fwd = forward[0].median, r.prefill_fwd_error = forward[0].error;
-  r.chunk_fwd = forward[1].median, r.chunk_fwd_error = forward[1].error;
-  r.recurrent_fwd = forward[2].median, r.recurrent_fwd_error = forward[2].error;
+  {
+    // Scoped: the three paths' output buffers go before the training step makes its own.
+    std::vector<Timed> forward;  // the three forward paths, interleaved
+    for (ForwardPath path :
+         {ForwardPath::prefill, ForwardPath::chunked_kernel, ForwardPath::recurrent_kernel})
+      forward.push_back({forward_call(d, path, threads)});
+    time_interleaved("forward paths" + threads_tag(threads), reps, forward);
+    r.prefill_fwd = forward[0].median, r.prefill_fwd_error = forward[0].error;
+    r.chunk_fwd = forward[1].median, r.chunk_fwd_error = forward[1].error;
+    r.recurrent_fwd = forward[2].median, r.recurrent_fwd_error = forward[2].error;
+  }
   if (ct != nullptr) {
     try {
       const auto [fwd, bwd] = time_training(d, *ct, threads, reps, "chunk forward+backward");

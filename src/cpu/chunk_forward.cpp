@@ -42,7 +42,7 @@ struct ForwardWork {
   }
   float* state(int64_t j) const { return S.data() + j * K * Vp; }
   float* output(int64_t j) const { return O.data() + j * C * Vp; }
-  // The bytes the constructor allocates per head (the ChunkWork, ~1 MiB at K=V=128, is shared).
+  // The bytes the constructor allocates per head (the ChunkWork, ~0.5 MiB at K=V=128, is shared).
   static int64_t bytes_per_head(int64_t K, int64_t V) {
     const int64_t Kp = padded(K), Vp = padded(V);
     return ChunkRowTiles::bytes(Kp, Vp) + static_cast<int64_t>(sizeof(float)) * (K * Vp + C * Vp);
