@@ -59,9 +59,8 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
   clock.lap(core::Phase::state_io);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += C, ++c) {
     const int64_t n = std::min(C, seq.length - t0);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < heads; ++j)
-        load_chunk_rows(plan, in, seq, hv0 + j, t0 + i, 1, fw.rows[j].from(i));
+    load_rows_of_heads(plan, in, seq, hv0, heads, t0, 0, n,
+                       [&](int64_t j, int64_t i) { return fw.rows[j].from(i); });
     clock.lap(core::Phase::gather);
     for (int64_t j = 0; j < heads; ++j) {
       float* S = fw.state(j);

@@ -66,24 +66,29 @@ struct ChunkWork {
 // One chunk's gathered rows of one head, laid out as ChunkWork's (see ChunkRows), gathered ahead of
 // their processing: the chunked forward gathers a group of heads token by token, then hands each
 // head's rows to the ChunkWork by swapping the buffers (no copy; every buffer keeps zero padding).
+// The L2-norm factors (q_rstd, k_rstd) are left out: only the backward reads them.
 struct ChunkRowTiles {
   int64_t Kp = 0, Vp = 0;
-  Buffer<float> q, k, v, g, beta, q_rstd, k_rstd;
+  Buffer<float> q, k, v, g, beta;
   ChunkRowTiles(int64_t Kp_, int64_t Vp_) : Kp(Kp_), Vp(Vp_) {
-    q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
-    beta.reset(C), q_rstd.reset(C), k_rstd.reset(C);
+    q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp), beta.reset(C);
   }
   // Row i onwards, as load_chunk_rows fills it.
   ChunkRows from(int64_t i) const {
-    return {q.data() + i * Kp, k.data() + i * Kp, v.data() + i * Vp, g.data() + i * Kp,
-            beta.data() + i,   q_rstd.data() + i, k_rstd.data() + i};
+    return {q.data() + i * Kp,
+            k.data() + i * Kp,
+            v.data() + i * Vp,
+            g.data() + i * Kp,
+            beta.data() + i,
+            nullptr,
+            nullptr};
   }
   void swap_with(ChunkWork& w) {
-    std::swap(q, w.q), std::swap(k, w.k), std::swap(v, w.v), std::swap(g, w.g);
-    std::swap(beta, w.beta), std::swap(q_rstd, w.q_rstd), std::swap(k_rstd, w.k_rstd);
+    HWY_DASSERT(q.size() == w.q.size() && v.size() == w.v.size() && beta.size() == w.beta.size());
+    std::swap(q, w.q), std::swap(k, w.k), std::swap(v, w.v), std::swap(g, w.g), std::swap(beta, w.beta);
   }
   static int64_t bytes(int64_t Kp, int64_t Vp) {
-    return static_cast<int64_t>(sizeof(float)) * C * (3 * Kp + Vp + 3);
+    return static_cast<int64_t>(sizeof(float)) * C * (3 * Kp + Vp + 1);
   }
 };
 

@@ -406,9 +406,8 @@ inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, c
                               int64_t hv0, int64_t heads, int64_t t_begin, int64_t first, int64_t count,
                               const BlockRows& rows) {
   if (count <= 0) return;
-  for (int64_t i = first; i < first + count; ++i)
-    for (int64_t j = 0; j < heads; ++j)
-      load_chunk_rows(plan, in, seq, hv0 + j, t_begin + i, 1, rows.from(j, i));
+  load_rows_of_heads(plan, in, seq, hv0, heads, t_begin, first, count,
+                     [&](int64_t j, int64_t i) { return rows.from(j, i); });
   for (int64_t j = 0; j < heads; ++j) exp_rows(rows.from(j, first).g, count, rows.Kp);
 }
 

@@ -410,6 +410,19 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
   }
 }
 
+// load_chunk_rows for value heads [hv0, hv0 + heads), rows [first, first + count) relative to
+// t_begin, token by token: a token's rows of adjacent heads are adjacent in memory (one run when the
+// heads are packed), where one head's rows of consecutive tokens are a whole [H, K] row apart.
+// rows_of(j, i) gives head j's ChunkRows from row i on.
+template <typename RowsOf>
+inline void load_rows_of_heads(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
+                               int64_t hv0, int64_t heads, int64_t t_begin, int64_t first, int64_t count,
+                               const RowsOf& rows_of) {
+  for (int64_t i = first; i < first + count; ++i)
+    for (int64_t j = 0; j < heads; ++j)
+      load_chunk_rows(plan, in, seq, hv0 + j, t_begin + i, 1, rows_of(j, i));
+}
+
 }  // namespace kda::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
