@@ -8,10 +8,11 @@
 //
 // Debian's OpenBLAS 0.3.21 does not recognise recent Xeons and falls back to kernels ~7x slower,
 // which would make the yardstick meaningless. It reads OPENBLAS_CORETYPE when the library loads, so
-// when the CPU has AVX-512 the bench sets it to SkylakeX and re-executes itself, also over a core
-// type the environment names that has no AVX-512 kernels: on a Zen 5 machine whose environment
-// set OPENBLAS_CORETYPE=Haswell, sgemm read 100 GFLOP/s per core with it and 186 with SkylakeX,
-// which is what the kda kernels' AVX-512 path competes with. --openblas-core-as-set keeps it.
+// when the CPU has AVX-512 and the core type OpenBLAS chose has no AVX-512 kernels, the bench sets
+// it to SkylakeX and re-executes itself, also over a core type the environment named: on a Zen 5
+// machine whose environment sets OPENBLAS_CORETYPE=Haswell, sgemm read 100 GFLOP/s per core with it
+// and 186 with SkylakeX, the rate the kda kernels' AVX-512 path competes with.
+// --openblas-core-as-set keeps the environment's choice.
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,11 +59,11 @@ next to this machine's OpenBLAS sgemm rate at the same thread count, and where t
   --no-backward    skip the training (forward+backward) timing
   --no-profile     skip the per-phase breakdown
   --openblas-core-as-set
-                   keep an OPENBLAS_CORETYPE the environment sets even when it has no AVX-512
-                   kernels and the CPU has (by default the bench then measures sgemm with SkylakeX)
-  --baseline-fb X  forward+backward tokens/s to compare against (default: the figure measured
-                   before issue 9's work on this machine class, see kTrainBaselines; none when
-                   the machine is not listed)
+                   keep an OPENBLAS_CORETYPE the environment sets even when its kernels have no
+                   AVX-512 and the CPU has (by default sgemm then runs with SkylakeX's kernels)
+  --baseline-fb X  forward+backward tokens/s to compare against, at B=1 T=8192 H=HV=32 K=V=128
+                   on 2 threads only (default: the figure measured before issue 9's work on this
+                   machine class, see kTrainBaselines; none when the machine is not listed)
   --help           this text
 )";
 
@@ -73,21 +74,21 @@ constexpr double kBackwardOverForward = 2.0;  // backward time <= 2.0x the train
 constexpr double kTrainSpeedup = 1.5;         // forward+backward tokens/s >= 1.5x the baseline
 constexpr int kShareTargetThreads = 2;
 // Forward+backward tokens/s at B=1 T=8192 H=32 K=V=128 on 2 threads before issue 9's work (this
-// benchmark at commit 94e71a5, the kernels of 656b967), per machine class, named by the CPU model
-// /proc/cpuinfo gives and the SIMD target the kernels dispatch to; each the higher of the runs.
-// Compared only at that shape; --baseline-fb sets another, and a machine not listed gets none.
+// benchmark at commit 94e71a5, the kernels of 656b967), per machine class, named by the CPU's model
+// name and family in /proc/cpuinfo and its hardware threads; each the higher of the runs. Compared
+// only at that shape and on 2 threads; --baseline-fb sets another, and a machine not listed gets none.
 struct TrainBaseline {
   const char* cpu_model;
+  const char* cpu_family;
   unsigned hardware_threads;
-  const char* simd_target;
   double tokens_per_second;
   const char* measured;
 };
 constexpr TrainBaseline kTrainBaselines[] = {
     // 2 AVX2 cores of a Zen 3 EPYC, the CI machine class when issue 9 was filed (4117 in an earlier run)
-    {"AMD EPYC", 2, "AVX2", 4511, "2026-12-01, 2 Zen 3 cores"},
+    {"AMD EPYC", "25", 2, 4511, "2026-12-01, 2 Zen 3 cores"},
     // 2 AVX-512 cores of a Zen 5 EPYC, the CI machine class from 2026-12-02 (9213 in the second run)
-    {"AMD EPYC", 2, "AVX3", 9443, "2026-12-02, 2 Zen 5 cores"},
+    {"AMD EPYC", "26", 2, 9443, "2026-12-02, 2 Zen 5 cores"},
 };
 
 struct Options {
@@ -178,55 +179,68 @@ Options parse(int argc, char** argv) {
 }
 
 #if defined(KDA_BENCH_HAVE_OPENBLAS) && (defined(__x86_64__) || defined(__i386__))
-// OpenBLAS 0.3.21's core types with AVX-512 sgemm kernels.
+// Whether the core type OpenBLAS reports runs AVX-512 sgemm kernels.
 bool core_has_avx512_kernels(std::string name) {
   for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return name == "skylakex" || name == "cooperlake" || name == "sapphirerapids";
 }
 #endif
 
-// Sets OPENBLAS_CORETYPE=SkylakeX and re-executes when the CPU has AVX-512 and the variable is unset
-// or (unless keep_set) names a core type without AVX-512 kernels. Returns a note on how the core
-// type was chosen.
+// Makes OpenBLAS run AVX-512 kernels on a CPU that has AVX-512: when the core type it chose as it
+// loaded (from OPENBLAS_CORETYPE, or its own detection) has none, sets OPENBLAS_CORETYPE=SkylakeX
+// and re-executes, unless keep_set and the environment named that core type. Returns a note on how
+// the core type was chosen. The re-executed process knows itself by its pid (execv keeps it).
 std::string ensure_openblas_coretype(char** argv, bool keep_set) {
 #if defined(KDA_BENCH_HAVE_OPENBLAS) && (defined(__x86_64__) || defined(__i386__))
-  if (std::getenv("KDA_BENCH_SET_CORETYPE") != nullptr) {
-    const char* replaced = std::getenv("KDA_BENCH_REPLACED_CORETYPE");
-    return std::string("OPENBLAS_CORETYPE=SkylakeX (set by kda_bench") +
-           (replaced ? std::string(" over the environment's ") + replaced +
-                           ", which has no AVX-512 kernels; --openblas-core-as-set keeps it)"
-                     : ")");
-  }
+  const std::string pid = std::to_string(getpid());
+  const char* marker = std::getenv("KDA_BENCH_SET_CORETYPE");
+  const char* replaced_env = std::getenv("KDA_BENCH_REPLACED_CORETYPE");
+  const bool reexecuted = marker != nullptr && pid == marker;
+  const std::string replaced = replaced_env != nullptr ? replaced_env : "";
+  unsetenv("KDA_BENCH_SET_CORETYPE");
+  unsetenv("KDA_BENCH_REPLACED_CORETYPE");
+  const char* set = std::getenv("OPENBLAS_CORETYPE");
+  const std::string value = set != nullptr ? set : "";
+  if (reexecuted)
+    return "OPENBLAS_CORETYPE=" + value + " (set by kda_bench" +
+           (replaced.empty() ? std::string(")")
+                             : " over the environment's " + replaced +
+                                   ", whose kernels have no AVX-512; --openblas-core-as-set keeps it)");
+  const std::string origin =
+      set != nullptr ? "OPENBLAS_CORETYPE=" + value + " (from the environment)" : "OPENBLAS_CORETYPE unset";
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const char* set = std::getenv("OPENBLAS_CORETYPE");
-  if (set != nullptr && (keep_set || !avx512 || core_has_avx512_kernels(set)))
-    return std::string("OPENBLAS_CORETYPE=") + set + " (from the environment)";
-  if (!avx512) return "OPENBLAS_CORETYPE unset, no AVX-512: OpenBLAS's own detection";
+  if (!avx512) return origin + ", no AVX-512 on this CPU";
+  if (core_has_avx512_kernels(openblas_get_corename())) return origin;
+  if (keep_set && set != nullptr) return origin + ", kept by --openblas-core-as-set: no AVX-512 kernels";
   if (set != nullptr) setenv("KDA_BENCH_REPLACED_CORETYPE", set, 1);
   setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
-  setenv("KDA_BENCH_SET_CORETYPE", "1", 1);
+  setenv("KDA_BENCH_SET_CORETYPE", pid.c_str(), 1);
   std::fflush(stdout);
   execv("/proc/self/exe", argv);
   std::perror("kda_bench: re-exec with OPENBLAS_CORETYPE=SkylakeX failed; sgemm may use slow kernels");
-  return "OPENBLAS_CORETYPE could not be applied (re-exec failed)";
+  return origin + " (a re-exec with SkylakeX failed)";
 #else
   (void)argv, (void)keep_set;
   return "OpenBLAS not built in";
 #endif
 }
 
-std::string cpu_model() {
+// One field of the first processor in /proc/cpuinfo ("model name", "cpu family"), or "unknown".
+std::string cpu_info(const std::string& field) {
   std::ifstream f("/proc/cpuinfo");
   std::string line;
   while (std::getline(f, line))
-    if (line.rfind("model name", 0) == 0) {
+    if (line.rfind(field, 0) == 0) {
       const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+      const size_t start = colon == std::string::npos ? colon : line.find_first_not_of(' ', colon + 1);
+      if (start != std::string::npos) return line.substr(start);
     }
-  return "unknown CPU";
+  return "unknown";
 }
+
+std::string cpu_model() { return cpu_info("model name"); }
 
 // One n x n x n sgemm on `threads` threads, or an empty function without OpenBLAS. Its settle
 // sleeps half a second: OpenBLAS' worker threads spin for a while after a call, and would take the
@@ -460,18 +474,16 @@ int run_shape(const Options& o, const hs::Case& s) {
 // The forward+backward baseline: --baseline-fb, else this machine's entry of kTrainBaselines.
 void choose_baseline(Options& o) {
   if (o.baseline_train > 0) {
-    o.baseline_note = fmt("%.0f tok/s (--baseline-fb)", o.baseline_train);
+    o.baseline_note = fmt("%.0f tok/s", o.baseline_train) + " (--baseline-fb)";
     return;
   }
-  const std::string model = cpu_model();
+  const std::string model = cpu_model(), family = cpu_info("cpu family");
   const unsigned threads = std::thread::hardware_concurrency();
   for (const TrainBaseline& b : kTrainBaselines)
-    if (model == b.cpu_model && threads == b.hardware_threads &&
-        std::strcmp(kda::simd_target(), b.simd_target) == 0) {
+    if (model == b.cpu_model && family == b.cpu_family && threads == b.hardware_threads) {
       o.baseline_train = b.tokens_per_second;
-      o.baseline_note =
-          fmt("%.0f tok/s, before issue 9's work on this machine class (", b.tokens_per_second) + b.measured +
-          ")";
+      o.baseline_note = fmt("%.0f tok/s", b.tokens_per_second) +
+                        ", before issue 9's work on this machine class (" + b.measured + ")";
       return;
     }
   o.baseline_note = "none measured for this machine class (--baseline-fb X sets one)";
@@ -500,7 +512,8 @@ int run(Options o, const std::string& coretype_note) {
       "6 K V + 3 C (K + V) + 5/6 C^2 (150.9 k); prefill and the recurrent kernel are counted in the\n"
       "recurrent form's FLOPs, the chunked kernel in its own\n");
   std::printf("gain: speed on this thread count over speed on the first\n");
-  std::printf("forward+backward baseline at B=1 T=8192 H=32 K=V=128: %s\n", o.baseline_note.c_str());
+  std::printf("forward+backward baseline (B=1 T=8192 H=32 K=V=128, 2 threads): %s\n",
+              o.baseline_note.c_str());
   std::fflush(stdout);
 
   for (const hs::Case& s : o.shapes) run_shape(o, s);
