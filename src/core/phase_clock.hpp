@@ -13,14 +13,16 @@ enum class Kernel : int { chunk_forward, recurrent_forward, chunk_backward, recu
 // Phases, shared by the kernels (each uses the ones that apply). Names are in profile.cpp.
 enum class Phase : int {
   gather,               // input rows into tiles, with the L2 norm, the fused gate and beta (in the
-                        // recurrent forward also exp(g), done per slice as the rows arrive)
+                        // recurrent forward also exp(g), done per slice as the rows arrive; in the
+                        // chunked backward also the d_o rows)
   decay_factors,        // exp(g), exp(G), exp(G_last - G) and the decayed q / k rows
   intra_matrices,       // L and P of a chunk
   wy_solve,             // (I + L) [W | U] = [beta K e^G | beta V]
   state_products,       // the products with the state: W S, Qe S, K^T Vn (forward)
   intra_output,         // P Vn
   recurrent_sweep,      // the token-by-token update of the state
-  state_io,             // state tiles and checkpoints: loads, stores, layout changes
+  state_io,             // state tiles and checkpoints: loads, stores, layout changes (the chunked
+                        // backward's transposes of S and dS)
   store,                // output rows
   states_recompute,     // backward: the states entering every chunk (or segment)
   grad_state_products,  // backward: Vn, dVn, dS, dO S^T, Vn dS^T, dVn S^T

@@ -141,12 +141,14 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   gemm(n, Vp, K, w.W(), ldx, 1, S, Vp, Vn, Vp, Accumulate::subtract);
   if (n < C) std::fill(bw.VnT.data(), bw.VnT.data() + Vp * C, 0.0f);  // columns past n stay zero
   transpose(Vn, Vp, n, V, bw.VnT.data(), C);
+  clock.lap(core::Phase::grad_state_products);
   float* dO = bw.dO.data();
   for (int64_t i = 0; i < n; ++i)
     load_row(in.d_o, seq.batch_index, seq.first_token + t0 + i, hv, V, dO + i * Vp);
+  clock.lap(core::Phase::gather);
   transpose(S, Vp, K, V, bw.ST.data(), Kp);
   transpose(dS, Vp, K, V, bw.dST.data(), Kp);
-  clock.lap(core::Phase::grad_state_products);
+  clock.lap(core::Phase::state_io);
 
   // dP = tril(dO Vn^T) (gradient of P, which includes scale).
   float* dP = bw.dP.data();
