@@ -6,13 +6,15 @@
 // place and throws kda::Error with a message naming the offending argument.
 //
 // Tensor conventions (the ones flash-linear-attention's chunk_kda / fused_recurrent_kda use):
-//   q, k  [B, T, H,  K]        v     [B, T, HV, V]       g  [B, T, HV, K]       beta [B, T, HV]
-//   o     [B, T, HV, V]        A_log [HV] fp32           dt_bias [HV * K] fp32
+//   q, k  [B, T, H,  K]        v     [B, T, HV, V]       g  [B, T, HV, G]       beta [B, T, HV]
+//   o     [B, T, HV, V]        A_log [HV] fp32           dt_bias [HV * G] fp32
+//   G = K (GateWidth::per_key, KDA) or 1 (GateWidth::per_head, the gated delta rule)
 //   state [N, HV, K, V] (StateLayout::k_first) or [N, HV, V, K] (StateLayout::v_first), fp32,
 //         N = B, or the number of sequences when cu_seqlens is given (then B must be 1).
 // Activations may be strided in their B, T and head dimensions; the last dimension is contiguous.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -55,6 +57,12 @@ enum class GateMode : int32_t {
   lower_bound = 2,  // g_raw: log decay = lower_bound * sigmoid(exp(A_log[hv]) * (g_raw + dt_bias))
 };
 
+// How many log decays a token has per value head: the operator family.
+enum class GateWidth : int32_t {
+  per_key = 0,   // KDA: g [B, T, HV, K], one decay per key channel; dt_bias [HV * K]
+  per_head = 1,  // the gated delta rule (Gated DeltaNet): g [B, T, HV], one decay per head; dt_bias [HV]
+};
+
 // How the `beta` tensor becomes the delta-rule step size.
 enum class BetaMode : int32_t {
   given = 0,       // beta is used as is
@@ -79,7 +87,46 @@ struct Problem {
   GateMode gate = GateMode::log_decay;
   float gate_lower_bound = -5.0f;  // used by GateMode::lower_bound; must be < 0
   BetaMode beta = BetaMode::given;
+  GateWidth gate_width = GateWidth::per_key;
 };
+
+namespace core {
+struct Plan;
+}
+
+// The sizes a caller allocates for a problem, in elements. States are [N, HV, K, V] (k_first) or
+// [N, HV, V, K] (v_first).
+struct Shapes {
+  int64_t sequences = 0;                  // N: batch, or cu_seqlens.size() - 1
+  int64_t chunks = 0;                     // sum over sequences of ceil(len / kChunkSize)
+  std::array<int64_t, 4> state{};         // initial / final state and their gradients
+  std::array<int64_t, 4> chunk_states{};  // the state entering every chunk
+  int64_t gate_dim = 0;                   // last dimension of g: K (per_key) or 1 (per_head)
+  int64_t A_log = 0;                      // HV
+  int64_t dt_bias = 0;                    // HV * gate_dim
+};
+
+// A validated problem: prepare() checks a Problem once (the only problem validation of a call) and
+// keeps its resolved form, so that a binding can size its tensors (shapes()) and then call an entry
+// point without the problem being planned again. It owns a copy of cu_seqlens; copies share it.
+class Prepared {
+ public:
+  const Problem& problem() const;
+  const Shapes& shapes() const;
+  const core::Plan& plan() const;  // the library's resolved form (internal)
+
+  struct Impl;
+
+ private:
+  friend Prepared prepare(const Problem& p);
+  std::shared_ptr<const Impl> impl_;
+};
+
+Prepared prepare(const Problem& p);
+
+// How many problems this process has validated (prepare() calls, including the ones the Problem
+// overloads of the entry points make): tests use it to prove one validation per call.
+int64_t validation_count();
 
 // Read-only view of an activation tensor [B, T, heads, dim]; strides are in elements, the last
 // dimension is contiguous. `heads` and `dim` state the view's shape and are checked against the
@@ -144,10 +191,10 @@ struct PooledStates {
 struct ForwardInputs {
   Input q, k;                            // [B, T, H, K]
   Input v;                               // [B, T, HV, V]
-  Input g;                               // [B, T, HV, K]: log decay, or raw gate input for the fused gates
+  Input g;                               // [B, T, HV, G]: log decay, or raw gate input for the fused gates
   Input beta;                            // [B, T, HV]: beta, or its raw logit for the sigmoid modes
   const float* A_log = nullptr;          // [HV], fused gates only
-  const float* dt_bias = nullptr;        // [HV * K], fused gates only; optional (null = zeros)
+  const float* dt_bias = nullptr;        // [HV * G], fused gates only; optional (null = zeros)
   const float* initial_state = nullptr;  // [N, HV, state]; optional (null = zeros)
   // Serving: initial and final states in pool slots (forward calls only; initial_state and
   // ForwardOutputs::final_state must then be null).
@@ -194,11 +241,11 @@ struct BackwardInputs {
 struct BackwardOutputs {
   Output dq, dk;  // [B, T, H, K], dtype of q / k; gradient of the raw q / k
   Output dv;      // [B, T, HV, V], dtype of v
-  Output dg;      // [B, T, HV, K], dtype of g; gradient of g as passed (raw for fused gates)
+  Output dg;      // [B, T, HV, G], dtype of g; gradient of g as passed (raw for fused gates)
   Output dbeta;   // [B, T, HV], dtype of beta; gradient of beta as passed
   float* d_initial_state = nullptr;  // [N, HV, state]; optional
   float* dA_log = nullptr;           // [HV]; fused gates only, optional
-  float* ddt_bias = nullptr;         // [HV * K]; fused gates only, optional
+  float* ddt_bias = nullptr;         // [HV * G]; fused gates only, optional
 };
 
 // Where calls run: a pool of worker threads, created on first need and kept, and per-thread working
@@ -221,6 +268,19 @@ class Context {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// The entry points, and the kernels a call can run. Which kernel an entry point runs is decided in
+// one place, route(): docs/design.md gives the rules.
+enum class Entry : int32_t { chunk_forward, recurrent_forward, chunk_backward, recurrent_backward, decode };
+enum class KernelId : int32_t {
+  chunked_forward,
+  recurrent_forward,
+  decode,
+  chunked_backward,
+  recurrent_backward
+};
+const char* entry_name(Entry e);
+const char* kernel_name(KernelId k);
 
 // Which kernel chunk_forward runs. Both are exact (the same results within fp32 rounding, not bit
 // for bit); automatic picks the faster for the shape and thread count alone, so a given call always
@@ -245,10 +305,20 @@ int simd_hardware_vector_bits();
 // The targets compiled into this build that this CPU can run, best first.
 std::vector<std::string> simd_targets();
 
-// Number of sequences N of a problem (batch, or cu_seqlens.size() - 1).
+// Number of sequences N of a problem (batch, or cu_seqlens.size() - 1): prepare(p).shapes().sequences.
 int64_t num_sequences(const Problem& p);
-// Total number of chunks over all sequences: sum of ceil(len_n / kChunkSize).
+// Total number of chunks over all sequences (sum of ceil(len_n / kChunkSize)): shapes().chunks.
 int64_t num_chunks(const Problem& p);
+
+// The kernel an entry point runs for a problem, on which backend, and why. Every entry point calls
+// this one function; `chunk_states`: the call asks for (forward) or passes (backward) chunk states.
+// Throws kda::Error when no backend runs the problem (e.g. a gate width its kernels lack).
+struct Route {
+  KernelId kernel;
+  const char* backend;  // e.g. "cpu"
+  const char* reason;   // one sentence, for the tool and the docs
+};
+Route route(Entry entry, const Prepared& p, const RunOptions& opt = {}, bool chunk_states = false);
 
 // The prefill / training forward: the chunked (WY) form, or the step recurrence where that is faster
 // (RunOptions::forward_kernel); either way o, the final state and the states entering every chunk.
@@ -265,6 +335,19 @@ void recurrent_backward(const Problem& p, const BackwardInputs& in, const Backwa
                         const RunOptions& opt = {});
 // Batched decode on a state pool (see DecodeInputs): the serving path.
 void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
+            const RunOptions& opt = {});
+
+// The same entry points on a prepared problem (no second validation of the problem; the tensors are
+// still checked against it).
+void chunk_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+                   const RunOptions& opt = {});
+void recurrent_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+                       const RunOptions& opt = {});
+void chunk_backward(const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+                    const RunOptions& opt = {});
+void recurrent_backward(const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+                        const RunOptions& opt = {});
+void decode(const Prepared& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
             const RunOptions& opt = {});
 
 }  // namespace kda

@@ -34,6 +34,7 @@ struct ForwardResult {
 };
 
 ForwardResult forward(const Problem& p, const Inputs& in);
+ForwardResult forward(const Prepared& p, const Inputs& in);  // no second validation of the problem
 
 struct Gradients {
   std::vector<double> dq, dk, dv, dg, dbeta;  // shapes of q, k, v, g, beta (w.r.t. the values as passed)
@@ -43,6 +44,8 @@ struct Gradients {
 
 // d_o: [B, T, HV, V]; d_final_state: [N, HV, state] or empty (zero).
 Gradients backward(const Problem& p, const Inputs& in, const std::vector<double>& d_o,
+                   const std::vector<double>& d_final_state);
+Gradients backward(const Prepared& p, const Inputs& in, const std::vector<double>& d_o,
                    const std::vector<double>& d_final_state);
 
 }  // namespace kda::reference

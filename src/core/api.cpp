@@ -1,9 +1,10 @@
-// Public C++ entry points: validate once, then hand the Plan to a backend.
-#include <string>
+// Public C++ entry points: validate once (prepare), check the call's tensors against the plan, ask
+// the one routing rule which backend and kernel run it, call that kernel. Nothing here knows a
+// backend by name (core/backend.hpp).
+#include <memory>
 
-#include "core/parallel.hpp"
+#include "core/backend.hpp"
 #include "core/plan.hpp"
-#include "cpu/backend.hpp"
 
 namespace kda {
 
@@ -23,75 +24,114 @@ IndexView make_indices(const int32_t* data, int64_t rows, int64_t cols) {
   return IndexView{data, IndexType::i32, rows, cols, cols, 1};
 }
 
-const char* simd_target() {
-  cpu::select_target();
-  return cpu::simd_target();
+// ---- prepared problems ----------------------------------------------------------------------------
+
+Prepared prepare(const Problem& p) {
+  auto impl = std::make_shared<Prepared::Impl>();
+  impl->offsets.assign(p.cu_seqlens.begin(), p.cu_seqlens.end());
+  Problem own = p;
+  own.cu_seqlens = impl->offsets;
+  impl->plan = core::plan_problem(own);
+  impl->shapes = core::shapes_of(impl->plan);
+  Prepared out;
+  out.impl_ = std::move(impl);
+  return out;
 }
 
-int simd_vector_bits() {
-  cpu::select_target();
-  return cpu::simd_vector_bits(false);
+const Problem& Prepared::problem() const { return impl_->plan.problem; }
+const Shapes& Prepared::shapes() const { return impl_->shapes; }
+const core::Plan& Prepared::plan() const { return impl_->plan; }
+
+int64_t num_sequences(const Problem& p) { return prepare(p).shapes().sequences; }
+int64_t num_chunks(const Problem& p) { return prepare(p).shapes().chunks; }
+
+// ---- entry points ----------------------------------------------------------------------------------
+
+namespace {
+
+// Runs a forward entry point on the kernel the routing rule picks.
+void run_forward(Entry entry, const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+                 const RunOptions& opt) {
+  const core::Plan plan = core::plan_forward(p.plan(), in, out);
+  const core::Backend& b = core::backend_for(plan);
+  switch (core::route(entry, plan, b, opt, out.chunk_states != nullptr).kernel) {
+    case KernelId::chunked_forward: return b.chunk_forward(plan, in, out, opt);
+    case KernelId::recurrent_forward: return b.recurrent_forward(plan, in, out, opt);
+    case KernelId::decode: {
+      DecodeInputs din;
+      din.fwd = in;
+      DecodeOutputs dout;
+      dout.o = out.o;
+      return b.decode(plan, din, dout, opt);
+    }
+    default: throw Error("kda: internal error: a forward routed to a backward kernel");
+  }
 }
 
-int simd_hardware_vector_bits() {
-  cpu::select_target();
-  return cpu::simd_vector_bits(true);
+void run_backward(Entry entry, const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+                  const RunOptions& opt) {
+  const core::Plan plan = core::plan_backward(p.plan(), in, out);
+  const core::Backend& b = core::backend_for(plan);
+  switch (core::route(entry, plan, b, opt, in.chunk_states != nullptr).kernel) {
+    case KernelId::chunked_backward: return b.chunk_backward(plan, in, out, opt);
+    case KernelId::recurrent_backward: return b.recurrent_backward(plan, in, out, opt);
+    default: throw Error("kda: internal error: a backward routed to a forward kernel");
+  }
 }
 
-std::vector<std::string> simd_targets() { return cpu::available_targets(); }
+}  // namespace
 
-int64_t num_sequences(const Problem& p) { return core::plan_problem(p).num_sequences(); }
+void chunk_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+                   const RunOptions& opt) {
+  run_forward(Entry::chunk_forward, p, in, out, opt);
+}
 
-int64_t num_chunks(const Problem& p) { return core::plan_problem(p).total_chunks; }
+void recurrent_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+                       const RunOptions& opt) {
+  run_forward(Entry::recurrent_forward, p, in, out, opt);
+}
+
+void chunk_backward(const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+                    const RunOptions& opt) {
+  run_backward(Entry::chunk_backward, p, in, out, opt);
+}
+
+void recurrent_backward(const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+                        const RunOptions& opt) {
+  run_backward(Entry::recurrent_backward, p, in, out, opt);
+}
+
+void decode(const Prepared& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
+            const RunOptions& opt) {
+  const core::Plan plan = core::plan_decode(p.plan(), in, pool, out);
+  const core::Backend& b = core::backend_for(plan);
+  core::route(Entry::decode, plan, b, opt, false);  // decode has one kernel; routed for uniformity
+  b.decode(plan, in, out, opt);
+}
 
 void chunk_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
-  core::Plan plan = core::plan_forward(p, in, out);
-  if (opt.forward_kernel != ForwardKernel::automatic && opt.forward_kernel != ForwardKernel::chunked &&
-      opt.forward_kernel != ForwardKernel::recurrent)
-    throw Error("kda: argument 'forward_kernel': expected automatic (0), chunked (1) or recurrent (2), got " +
-                std::to_string(static_cast<int>(opt.forward_kernel)));
-  cpu::select_target();
-  core::Runner run(opt.context, opt.num_threads);
-  const bool recurrent =
-      opt.forward_kernel == ForwardKernel::recurrent ||
-      (opt.forward_kernel == ForwardKernel::automatic && cpu::prefill_prefers_recurrent(plan));
-  if (recurrent)
-    cpu::recurrent_forward(plan, in, out, run);
-  else
-    cpu::chunk_forward(plan, in, out, run);
+  chunk_forward(prepare(p), in, out, opt);
 }
 
 void recurrent_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out,
                        const RunOptions& opt) {
-  core::Plan plan = core::plan_forward(p, in, out);
-  cpu::select_target();
-  core::Runner run(opt.context, opt.num_threads);
-  cpu::recurrent_forward(plan, in, out, run);
+  recurrent_forward(prepare(p), in, out, opt);
 }
 
 void chunk_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                     const RunOptions& opt) {
-  core::Plan plan = core::plan_backward(p, in, out);
-  cpu::select_target();
-  core::Runner run(opt.context, opt.num_threads);
-  cpu::chunk_backward(plan, in, out, run);
+  chunk_backward(prepare(p), in, out, opt);
 }
 
 void recurrent_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out,
                         const RunOptions& opt) {
-  core::Plan plan = core::plan_backward(p, in, out);
-  cpu::select_target();
-  core::Runner run(opt.context, opt.num_threads);
-  cpu::recurrent_backward(plan, in, out, run);
+  recurrent_backward(prepare(p), in, out, opt);
 }
 
 void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
             const RunOptions& opt) {
-  core::Plan plan = core::plan_decode(p, in, pool, out);
-  cpu::select_target();
-  core::Runner run(opt.context, opt.num_threads);
-  cpu::decode(plan, in, out, run);
+  decode(prepare(p), in, pool, out, opt);
 }
 
 }  // namespace kda

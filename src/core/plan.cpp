@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -82,9 +83,12 @@ void check_same_dtype(const std::string& arg, DType got, const std::string& othe
                   dtype_name(got));
 }
 
+std::atomic<int64_t> g_validations{0};
+
 }  // namespace
 
 Plan plan_problem(const Problem& p) {
+  g_validations.fetch_add(1, std::memory_order_relaxed);
   if (p.batch < 1) fail("batch", "expected >= 1, got " + std::to_string(p.batch));
   if (p.seq_len < 0) fail("seq_len", "expected >= 0, got " + std::to_string(p.seq_len));
   if (p.heads < 1) fail("heads", "expected >= 1, got " + std::to_string(p.heads));
@@ -105,6 +109,9 @@ Plan plan_problem(const Problem& p) {
     fail("gate_lower_bound", "expected a finite value < 0, got " + std::to_string(p.gate_lower_bound));
   if (p.beta != BetaMode::given && p.beta != BetaMode::sigmoid && p.beta != BetaMode::sigmoid_x2)
     fail("beta_mode", "unknown beta mode " + std::to_string(static_cast<int>(p.beta)));
+  if (p.gate_width != GateWidth::per_key && p.gate_width != GateWidth::per_head)
+    fail("gate_width", "expected per_key (0, KDA) or per_head (1, the gated delta rule), got " +
+                           std::to_string(static_cast<int>(p.gate_width)));
 
   Plan plan;
   plan.problem = p;
@@ -113,6 +120,7 @@ Plan plan_problem(const Problem& p) {
   plan.K = p.key_dim;
   plan.V = p.value_dim;
   plan.group = p.value_heads / p.heads;
+  plan.gate_dim = p.gate_width == GateWidth::per_head ? 1 : p.key_dim;
   plan.scale = p.scale ? *p.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.key_dim)));
 
   int64_t chunk = 0;
@@ -142,13 +150,26 @@ Plan plan_problem(const Problem& p) {
   return plan;
 }
 
+Shapes shapes_of(const Plan& plan) {
+  Shapes s;
+  s.sequences = plan.num_sequences();
+  s.chunks = plan.total_chunks;
+  const int64_t a = plan.v_first() ? plan.V : plan.K, b = plan.v_first() ? plan.K : plan.V;
+  s.state = {s.sequences, plan.HV, a, b};
+  s.chunk_states = {s.chunks, plan.HV, a, b};
+  s.gate_dim = plan.gate_dim;
+  s.A_log = plan.HV;
+  s.dt_bias = plan.HV * plan.gate_dim;
+  return s;
+}
+
 void check_forward_inputs(const Plan& plan, const ForwardInputs& in) {
   const Problem& p = plan.problem;
   check_view("q", in.q, {p.batch, p.seq_len, plan.H, plan.K});
   check_view("k", in.k, {p.batch, p.seq_len, plan.H, plan.K});
   check_same_dtype("k", in.k.dtype, "q", in.q.dtype);
   check_view("v", in.v, {p.batch, p.seq_len, plan.HV, plan.V});
-  check_view("g", in.g, {p.batch, p.seq_len, plan.HV, plan.K});
+  check_view("g", in.g, {p.batch, p.seq_len, plan.HV, plan.gate_dim});
   check_view("beta", in.beta, {p.batch, p.seq_len, plan.HV, 1});
   if (plan.fused_gate() && in.A_log == nullptr)
     fail("A_log", "required by the fused gate (gate mode softplus or lower_bound), got null");
@@ -306,17 +327,18 @@ void add_forward_inputs(Ranges& r, const Plan& plan, const ForwardInputs& in) {
   r.view("q", in.q, {p.batch, p.seq_len, plan.H, plan.K}, false);
   r.view("k", in.k, {p.batch, p.seq_len, plan.H, plan.K}, false);
   r.view("v", in.v, {p.batch, p.seq_len, plan.HV, plan.V}, false);
-  r.view("g", in.g, {p.batch, p.seq_len, plan.HV, plan.K}, false);
+  r.view("g", in.g, {p.batch, p.seq_len, plan.HV, plan.gate_dim}, false);
   r.view("beta", in.beta, {p.batch, p.seq_len, plan.HV, 1}, false);
   r.floats("A_log", in.A_log, plan.HV, false);
-  r.floats("dt_bias", in.dt_bias, plan.HV * plan.K, false);
+  r.floats("dt_bias", in.dt_bias, plan.HV * plan.gate_dim, false);
   r.floats("initial_state", in.initial_state, plan.num_sequences() * plan.HV * plan.state_size(), false);
 }
 
 }  // namespace
 
-Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out) {
-  Plan plan = plan_problem(p);
+Plan plan_forward(const Plan& problem, const ForwardInputs& in, const ForwardOutputs& out) {
+  Plan plan = problem;
+  const Problem& p = plan.problem;
   check_forward_inputs(plan, in);
   check_output("o", out.o, {p.batch, p.seq_len, plan.HV, plan.V});
   check_same_dtype("o", out.o.dtype, "v", in.v.dtype);
@@ -349,8 +371,9 @@ Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutput
   return plan;
 }
 
-Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out) {
-  Plan plan = plan_problem(p);
+Plan plan_backward(const Plan& problem, const BackwardInputs& in, const BackwardOutputs& out) {
+  Plan plan = problem;
+  const Problem& p = plan.problem;
   const ForwardInputs& f = in.fwd;
   check_forward_inputs(plan, f);
   if (f.pooled_states != nullptr)
@@ -364,7 +387,7 @@ Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOut
   check_same_dtype("dk", out.dk.dtype, "k", f.k.dtype);
   check_output("dv", out.dv, {p.batch, p.seq_len, plan.HV, plan.V});
   check_same_dtype("dv", out.dv.dtype, "v", f.v.dtype);
-  check_output("dg", out.dg, {p.batch, p.seq_len, plan.HV, plan.K});
+  check_output("dg", out.dg, {p.batch, p.seq_len, plan.HV, plan.gate_dim});
   check_same_dtype("dg", out.dg.dtype, "g", f.g.dtype);
   check_output("dbeta", out.dbeta, {p.batch, p.seq_len, plan.HV, 1});
   check_same_dtype("dbeta", out.dbeta.dtype, "beta", f.beta.dtype);
@@ -381,19 +404,21 @@ Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOut
   ranges.view("dq", out.dq, {p.batch, p.seq_len, plan.H, plan.K}, true);
   ranges.view("dk", out.dk, {p.batch, p.seq_len, plan.H, plan.K}, true);
   ranges.view("dv", out.dv, {p.batch, p.seq_len, plan.HV, plan.V}, true);
-  ranges.view("dg", out.dg, {p.batch, p.seq_len, plan.HV, plan.K}, true);
+  ranges.view("dg", out.dg, {p.batch, p.seq_len, plan.HV, plan.gate_dim}, true);
   ranges.view("dbeta", out.dbeta, {p.batch, p.seq_len, plan.HV, 1}, true);
   ranges.floats("d_initial_state", out.d_initial_state, plan.num_sequences() * state, true);
   ranges.floats("dA_log", out.dA_log, plan.HV, true);
-  ranges.floats("ddt_bias", out.ddt_bias, plan.HV * plan.K, true);
+  ranges.floats("ddt_bias", out.ddt_bias, plan.HV * plan.gate_dim, true);
   ranges.check();
   plan.initial.resize(static_cast<size_t>(plan.num_sequences()));
   for (int64_t n = 0; n < plan.num_sequences(); ++n) plan.initial[n] = plan.packed(f.initial_state, n);
   return plan;
 }
 
-Plan plan_decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out) {
-  Plan plan = plan_problem(p);
+Plan plan_decode(const Plan& problem, const DecodeInputs& in, const StatePool& pool,
+                 const DecodeOutputs& out) {
+  Plan plan = problem;
+  const Problem& p = plan.problem;
   const ForwardInputs& f = in.fwd;
   check_forward_inputs(plan, f);
   if (f.initial_state != nullptr)
@@ -474,3 +499,5 @@ Plan plan_decode(const Problem& p, const DecodeInputs& in, const StatePool& pool
 }
 
 }  // namespace kda::core
+
+int64_t kda::validation_count() { return kda::core::g_validations.load(std::memory_order_relaxed); }

@@ -32,7 +32,8 @@ struct Plan {
   Problem problem;
   float scale = 1.0f;
   int64_t H = 0, HV = 0, K = 0, V = 0;
-  int64_t group = 1;  // HV / H: value heads per query/key head
+  int64_t group = 1;     // HV / H: value heads per query/key head
+  int64_t gate_dim = 0;  // last dimension of g and the per-head length of dt_bias: K or 1 (per_head)
   std::vector<Sequence> sequences;
   int64_t total_chunks = 0;
   // Per sequence: its initial state and where its final state goes (plan_forward, plan_backward's
@@ -52,19 +53,25 @@ struct Plan {
   // Element (kk, vv) of one state, whatever the layout.
   int64_t state_index(int64_t kk, int64_t vv) const { return v_first() ? vv * K + kk : kk * V + vv; }
   bool fused_gate() const { return problem.gate != GateMode::log_decay; }
+  bool per_head_gate() const { return problem.gate_width == GateWidth::per_head; }
   // Row n of a packed [N, HV, state] fp32 tensor (null stays null).
   StateRef packed(const float* states, int64_t n) const {
     return {states == nullptr ? nullptr : const_cast<float*>(states) + n * HV * K * V, DType::f32};
   }
 };
 
-// Validates the problem alone (shapes, options, cu_seqlens).
+// Validates the problem alone (shapes, options, cu_seqlens): the one problem validation of a call,
+// counted by kda::validation_count(). Use prepare() rather than calling it twice.
 Plan plan_problem(const Problem& p);
+// The shapes a caller allocates for a planned problem.
+Shapes shapes_of(const Plan& plan);
 // Checks the inputs of a forward call (every view, A_log and dt_bias rules) against a planned problem.
 void check_forward_inputs(const Plan& plan, const ForwardInputs& in);
-Plan plan_forward(const Problem& p, const ForwardInputs& in, const ForwardOutputs& out);
-Plan plan_backward(const Problem& p, const BackwardInputs& in, const BackwardOutputs& out);
-Plan plan_decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out);
+// Each checks a call's tensors against an already planned problem and resolves its states.
+Plan plan_forward(const Plan& problem, const ForwardInputs& in, const ForwardOutputs& out);
+Plan plan_backward(const Plan& problem, const BackwardInputs& in, const BackwardOutputs& out);
+Plan plan_decode(const Plan& problem, const DecodeInputs& in, const StatePool& pool,
+                 const DecodeOutputs& out);
 
 // Element (r, c) of an index view (validated by the plan functions).
 inline int64_t index_at(const IndexView& v, int64_t r, int64_t c) {
@@ -126,3 +133,11 @@ inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n
 }
 
 }  // namespace kda::core
+
+// What a kda::Prepared holds: its own copy of cu_seqlens (plan.problem.cu_seqlens points into it),
+// the plan and the shapes.
+struct kda::Prepared::Impl {
+  std::vector<int64_t> offsets;
+  core::Plan plan;
+  Shapes shapes;
+};

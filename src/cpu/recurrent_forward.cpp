@@ -41,19 +41,6 @@ HWY_EXPORT(RecurrentForward);
 
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                        core::Runner& run) {
-  // Short sequences (decode steps) take the decode kernel, which works on each state in its own
-  // layout (no transpose into column blocks) and in place where it can; the rule depends on the
-  // shapes alone, so results stay deterministic.
-  int64_t longest = 0;
-  for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
-  if (longest <= kDecodeTokens && out.chunk_states == nullptr) {
-    DecodeInputs din;
-    din.fwd = in;
-    DecodeOutputs dout;
-    dout.o = out.o;
-    decode(plan, din, dout, run);
-    return;
-  }
   HWY_DYNAMIC_DISPATCH(RecurrentForward)(plan, in, out, run);
 }
 }  // namespace kda::cpu

@@ -18,7 +18,13 @@ namespace kda::reference {
 
 Gradients backward(const Problem& p, const Inputs& in, const std::vector<double>& d_o,
                    const std::vector<double>& d_final_state) {
-  const core::Plan plan = core::plan_problem(p);
+  return backward(prepare(p), in, d_o, d_final_state);
+}
+
+Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector<double>& d_o,
+                   const std::vector<double>& d_final_state) {
+  const core::Plan& plan = prepared.plan();
+  const Problem& p = plan.problem;
   detail::check_inputs(plan, in);
   const detail::Shape s(plan);
   detail::check_size("d_o", d_o, s.v_size(), false);

@@ -57,6 +57,10 @@ struct Shape {
 
 // Every vector of `in` against the problem; throws kda::Error naming the field.
 inline void check_inputs(const core::Plan& plan, const Inputs& in) {
+  if (plan.per_head_gate())
+    throw Error(
+        "kda: argument 'gate_width': per_head (the gated delta rule's scalar gate) is not supported yet by "
+        "the float64 oracle");
   Shape s(plan);
   check_size("q", in.q, s.qk_size(), false);
   check_size("k", in.k, s.qk_size(), false);

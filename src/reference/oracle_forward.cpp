@@ -5,8 +5,10 @@
 
 namespace kda::reference {
 
-ForwardResult forward(const Problem& p, const Inputs& in) {
-  const core::Plan plan = core::plan_problem(p);
+ForwardResult forward(const Problem& p, const Inputs& in) { return forward(prepare(p), in); }
+
+ForwardResult forward(const Prepared& prepared, const Inputs& in) {
+  const core::Plan& plan = prepared.plan();
   detail::check_inputs(plan, in);
   const detail::Shape s(plan);
   const int64_t K = s.K, V = s.V, HV = s.HV, KV = K * V;

@@ -32,11 +32,11 @@ Inputs widen(const Problem& p, const ForwardInputs& in) {
   r.q = widen_view(in.q, B, T, plan.H, plan.K);
   r.k = widen_view(in.k, B, T, plan.H, plan.K);
   r.v = widen_view(in.v, B, T, plan.HV, plan.V);
-  r.g = widen_view(in.g, B, T, plan.HV, plan.K);
+  r.g = widen_view(in.g, B, T, plan.HV, plan.gate_dim);
   r.beta = widen_view(in.beta, B, T, plan.HV, 1);
   if (plan.fused_gate()) {
     r.A_log = widen_floats(in.A_log, plan.HV);
-    if (in.dt_bias != nullptr) r.dt_bias = widen_floats(in.dt_bias, plan.HV * plan.K);
+    if (in.dt_bias != nullptr) r.dt_bias = widen_floats(in.dt_bias, plan.HV * plan.gate_dim);
   }
   if (in.initial_state != nullptr)
     r.initial_state = widen_floats(in.initial_state, plan.num_sequences() * plan.HV * plan.state_size());

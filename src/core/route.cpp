@@ -1,0 +1,96 @@
+// Which backend and which kernel run a call: the only place the choice is made (docs/design.md).
+#include <algorithm>
+#include <string>
+
+#include "core/backend.hpp"
+
+namespace kda::core {
+
+const Backend& backend_for(const Plan& plan) {
+  const char* first_reason = nullptr;
+  for (const Backend* b : backends()) {
+    const char* why = b->unsupported(plan);
+    if (why == nullptr) return *b;
+    if (first_reason == nullptr) first_reason = why;
+  }
+  throw Error(first_reason != nullptr ? first_reason : "kda: this build has no backend");
+}
+
+namespace {
+
+// A recurrent forward of short sequences that keeps no chunk states runs on the decode kernel, which
+// updates each state in its own layout, in place, without the recurrent kernel's column-block setup.
+Route recurrent_or_decode(const Plan& plan, const Backend& b, bool chunk_states,
+                          const char* recurrent_reason) {
+  int64_t longest = 0;
+  for (const Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
+  if (!chunk_states && b.decode_tokens > 0 && longest <= b.decode_tokens)
+    return {KernelId::decode, b.name,
+            "every sequence is short enough for the decode kernel (no chunk states asked for): it updates "
+            "each state in its own layout, without the recurrent kernel's setup"};
+  return {KernelId::recurrent_forward, b.name, recurrent_reason};
+}
+
+}  // namespace
+
+Route route(Entry entry, const Plan& plan, const Backend& b, const RunOptions& opt, bool chunk_states) {
+  switch (entry) {
+    case Entry::chunk_forward:
+      switch (opt.forward_kernel) {
+        case ForwardKernel::chunked:
+          return {KernelId::chunked_forward, b.name, "the caller asked for the chunked kernel"};
+        case ForwardKernel::recurrent:
+          return recurrent_or_decode(plan, b, chunk_states, "the caller asked for the recurrent kernel");
+        case ForwardKernel::automatic:
+          if (b.prefill_prefers_recurrent(plan, opt))
+            return recurrent_or_decode(plan, b, chunk_states,
+                                       "the backend's recurrent kernel is the faster prefill for this shape");
+          return {KernelId::chunked_forward, b.name,
+                  "the backend's chunked kernel is the faster prefill here"};
+      }
+      throw Error(
+          "kda: argument 'forward_kernel': expected automatic (0), chunked (1) or recurrent (2), got " +
+          std::to_string(static_cast<int>(opt.forward_kernel)));
+    case Entry::recurrent_forward:
+      return recurrent_or_decode(plan, b, chunk_states, "the token-by-token forward was asked for");
+    case Entry::chunk_backward:
+      return {KernelId::chunked_backward, b.name, "the chunked backward was asked for"};
+    case Entry::recurrent_backward:
+      return {KernelId::recurrent_backward, b.name, "the token-by-token backward was asked for"};
+    case Entry::decode: return {KernelId::decode, b.name, "decode on a state pool"};
+  }
+  throw Error("kda: unknown entry point " + std::to_string(static_cast<int>(entry)));
+}
+
+}  // namespace kda::core
+
+namespace kda {
+
+const char* entry_name(Entry e) {
+  switch (e) {
+    case Entry::chunk_forward: return "chunk_forward";
+    case Entry::recurrent_forward: return "recurrent_forward";
+    case Entry::chunk_backward: return "chunk_backward";
+    case Entry::recurrent_backward: return "recurrent_backward";
+    case Entry::decode: return "decode";
+  }
+  return "unknown";
+}
+
+const char* kernel_name(KernelId k) {
+  switch (k) {
+    case KernelId::chunked_forward: return "chunked forward";
+    case KernelId::recurrent_forward: return "recurrent forward";
+    case KernelId::decode: return "decode";
+    case KernelId::chunked_backward: return "chunked backward";
+    case KernelId::recurrent_backward: return "recurrent backward";
+  }
+  return "unknown";
+}
+
+Route route(Entry entry, const Prepared& p, const RunOptions& opt, bool chunk_states) {
+  const core::Plan& plan = p.plan();
+  return core::route(entry, plan, core::backend_for(plan), opt, chunk_states);
+}
+
+}  // namespace kda

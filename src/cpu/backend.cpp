@@ -1,0 +1,74 @@
+// The CPU backend's table: each entry picks the SIMD target (KDA_CPU_TARGET), takes the call's
+// threads and working memory (core::Runner) and runs its kernel.
+#include "cpu/backend.hpp"
+
+namespace kda::cpu {
+namespace {
+
+const char* unsupported(const core::Plan& plan) {
+  if (plan.per_head_gate())
+    return "kda: argument 'gate_width': per_head (the gated delta rule's scalar gate) is not supported yet "
+           "by the cpu backend's kernels; pass a per-key-channel gate g [B, T, HV, K]";
+  return nullptr;
+}
+
+// Measured with `kda bench` on two AVX2 cores (K = V from 16 to 256, T from 64 to 8192, H from 8 to
+// 32), the recurrent kernel was 1.4x to 5x faster than the chunked one everywhere, and 1.2-1.7x on
+// AVX-512 (docs/performance.md), so a prefill takes it for every shape; a faster chunked kernel can
+// take back the shapes it wins here.
+bool prefill_prefers_recurrent(const core::Plan&, const RunOptions&) { return true; }
+
+// Sequences of at most this many tokens (decode steps, short speculative runs) go to the decode
+// kernel when no chunk states are kept.
+constexpr int64_t kDecodeTokens = 16;
+
+template <typename In, typename Out>
+using KernelFn = void (*)(const core::Plan&, const In&, const Out&, core::Runner&);
+
+// Wraps a kernel into a table entry: target selection and the call's runner.
+template <typename In, typename Out, KernelFn<In, Out> Kernel>
+void entry(const core::Plan& plan, const In& in, const Out& out, const RunOptions& opt) {
+  select_target();
+  core::Runner run(opt.context, opt.num_threads);
+  Kernel(plan, in, out, run);
+}
+
+const core::Backend kCpu{
+    "cpu",
+    &unsupported,
+    &prefill_prefers_recurrent,
+    kDecodeTokens,
+    &entry<ForwardInputs, ForwardOutputs, &chunk_forward>,
+    &entry<ForwardInputs, ForwardOutputs, &recurrent_forward>,
+    &entry<BackwardInputs, BackwardOutputs, &chunk_backward>,
+    &entry<BackwardInputs, BackwardOutputs, &recurrent_backward>,
+    &entry<DecodeInputs, DecodeOutputs, &decode>,
+};
+
+}  // namespace
+
+const core::Backend& backend() { return kCpu; }
+
+}  // namespace kda::cpu
+
+// The SIMD queries of the public API belong to the CPU backend.
+namespace kda {
+
+const char* simd_target() {
+  cpu::select_target();
+  return cpu::simd_target();
+}
+
+int simd_vector_bits() {
+  cpu::select_target();
+  return cpu::simd_vector_bits(false);
+}
+
+int simd_hardware_vector_bits() {
+  cpu::select_target();
+  return cpu::simd_vector_bits(true);
+}
+
+std::vector<std::string> simd_targets() { return cpu::available_targets(); }
+
+}  // namespace kda
