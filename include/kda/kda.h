@@ -13,10 +13,11 @@
  *
  * Versioning: every struct passed by pointer starts with `struct_size`. Set it to the struct's size
  * (the KDA_*_INIT initialisers and kda_problem_default() do) or leave it 0, which means the layout of
- * this header's first version (kda 0.2). Later versions only append fields; a library older than the
- * header a caller was built with rejects a call that sets one it does not know (nonzero bytes past
- * its own struct) with KDA_ERROR_NOT_SUPPORTED. Tensor views (kda_input, kda_output, kda_index_view)
- * never change. Structs from before 0.2 (without struct_size) are not compatible.
+ * this header's first version (kda 0.2). Later versions only append fields (kda_problem's gate_width
+ * came after 0.2.0): a library reads a shorter struct with the appended fields at their defaults, and
+ * a library older than the header a caller was built with rejects a call that sets one it does not
+ * know (nonzero bytes past its own struct) with KDA_ERROR_NOT_SUPPORTED. Tensor views (kda_input,
+ * kda_output, kda_index_view) never change. Structs from before 0.2 (without struct_size) are not compatible.
  *
  * Error handling: every function returns a kda_status. On anything but KDA_OK, kda_last_error()
  * returns a message naming the offending argument, and no output has been written (arguments are
@@ -85,6 +86,12 @@ enum {
   KDA_GATE_LOWER_BOUND = 2 /* log decay = gate_lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias)) */
 };
 
+/* How many log decays a token has per value head (the operator family). */
+enum {
+  KDA_GATE_PER_KEY = 0, /* KDA: g [B, T, HV, K], dt_bias [HV * K] */
+  KDA_GATE_PER_HEAD = 1 /* the gated delta rule: g [B, T, HV], dt_bias [HV]; not in the kernels yet */
+};
+
 /* How `beta` becomes the delta-rule step size. */
 enum {
   KDA_BETA_GIVEN = 0,     /* beta is used as is */
@@ -115,6 +122,8 @@ typedef struct kda_problem {
   int32_t gate;           /* KDA_GATE_* (default LOG_DECAY) */
   float gate_lower_bound; /* KDA_GATE_LOWER_BOUND only; must be < 0 (default -5) */
   int32_t beta_mode;      /* KDA_BETA_* (default GIVEN) */
+  /* Appended after 0.2.0 (see Versioning): */
+  int32_t gate_width; /* KDA_GATE_PER_* (default PER_KEY) */
 } kda_problem;
 
 /* ---- tensor views ------------------------------------------------------------------------------- */

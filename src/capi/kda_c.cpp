@@ -1,11 +1,14 @@
 // The C ABI (include/kda/kda.h): converts the C structs into the C++ ones and calls the C++ API.
 // No exception crosses this boundary: each one becomes a status code plus a thread-local message.
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kda/kda.h"
 #include "kda/kda.hpp"
@@ -20,6 +23,8 @@ static_assert(KDA_STATE_V_FIRST == static_cast<int>(kda::StateLayout::v_first));
 static_assert(KDA_GATE_LOG_DECAY == static_cast<int>(kda::GateMode::log_decay));
 static_assert(KDA_GATE_SOFTPLUS == static_cast<int>(kda::GateMode::softplus));
 static_assert(KDA_GATE_LOWER_BOUND == static_cast<int>(kda::GateMode::lower_bound));
+static_assert(KDA_GATE_PER_KEY == static_cast<int>(kda::GateWidth::per_key));
+static_assert(KDA_GATE_PER_HEAD == static_cast<int>(kda::GateWidth::per_head));
 static_assert(KDA_BETA_GIVEN == static_cast<int>(kda::BetaMode::given));
 static_assert(KDA_BETA_SIGMOID == static_cast<int>(kda::BetaMode::sigmoid));
 static_assert(KDA_BETA_SIGMOID_X2 == static_cast<int>(kda::BetaMode::sigmoid_x2));
@@ -49,20 +54,30 @@ void set_error(const char* prefix, const char* message) {
   throw kda::Error(std::string(function) + ": argument '" + arg + "' is NULL (expected a " + type + ")");
 }
 
-// Reads a caller's struct (see Versioning in kda.h): struct_size 0 means this build's layout; fields a
+// The size of a struct's first layout (kda 0.2.0), which struct_size 0 stands for. Fields appended
+// since are read as zero (their defaults) from a caller built against an older header.
+template <typename T>
+constexpr size_t first_layout_size() {
+  if constexpr (std::is_same_v<T, kda_problem>)
+    return offsetof(kda_problem, gate_width);
+  else
+    return sizeof(T);
+}
+
+// Reads a caller's struct (see Versioning in kda.h): struct_size 0 means the first layout; fields a
 // newer header added must be zero (else the call asks for something this build does not have).
 template <typename T>
 T read_struct(const T* ptr, const char* function, const char* arg, const char* type) {
   if (ptr == nullptr) null_argument(function, arg, type);
-  const size_t size = ptr->struct_size == 0 ? sizeof(T) : ptr->struct_size;
-  if (size < sizeof(T))
+  const size_t size = ptr->struct_size == 0 ? first_layout_size<T>() : ptr->struct_size;
+  if (size < first_layout_size<T>())
     throw kda::Error(std::string(function) + ": argument '" + arg + "': struct_size " + std::to_string(size) +
-                     " is smaller than any " + type + " layout (" + std::to_string(sizeof(T)) +
+                     " is smaller than any " + type + " layout (" + std::to_string(first_layout_size<T>()) +
                      "); initialise it with its KDA_..._INIT macro");
   T out{};
-  std::memcpy(static_cast<void*>(&out), ptr, sizeof(T));
+  std::memcpy(static_cast<void*>(&out), ptr, std::min(size, sizeof(T)));
   const unsigned char* extra = reinterpret_cast<const unsigned char*>(ptr) + sizeof(T);
-  for (size_t i = 0; i < size - sizeof(T); ++i)
+  for (size_t i = 0; size > sizeof(T) && i < size - sizeof(T); ++i)
     if (extra[i] != 0)
       throw NotSupported(std::string(function) + ": argument '" + arg + "': sets fields of a newer " + type +
                          " (struct_size " + std::to_string(size) + ") that kda " + KDA_VERSION_STRING +
@@ -117,6 +132,7 @@ kda::Problem to_cpp(const kda_problem& c) {
   p.gate = static_cast<kda::GateMode>(c.gate);
   p.gate_lower_bound = c.gate_lower_bound;
   p.beta = static_cast<kda::BetaMode>(c.beta_mode);
+  p.gate_width = static_cast<kda::GateWidth>(c.gate_width);
   return p;
 }
 
@@ -278,6 +294,7 @@ kda_problem kda_problem_default(void) {
   p.gate = static_cast<int32_t>(d.gate);
   p.gate_lower_bound = d.gate_lower_bound;
   p.beta_mode = static_cast<int32_t>(d.beta);
+  p.gate_width = static_cast<int32_t>(d.gate_width);
   return p;
 }
 
