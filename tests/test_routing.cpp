@@ -1,0 +1,224 @@
+// The seams of a call: one problem validation (prepare), the shapes query, the one routing rule, the
+// backend's "can you run this plan" (a per-head gate, not in the kernels yet) and the C ABI's
+// appended gate_width field.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kda/kda.h"
+#include "kda/kda.hpp"
+#include "kda/reference.hpp"
+
+namespace kda {
+namespace {
+
+constexpr float kSentinel = -777.25f;
+
+// A small call with plain packed tensors, filled with mild values.
+struct Call {
+  Problem p;
+  std::vector<int64_t> cu;
+  std::vector<float> q, k, v, g, beta, o, final_state, chunk_states;
+  ForwardInputs in;
+  ForwardOutputs out;
+
+  Call(int64_t T, GateWidth width = GateWidth::per_key, std::vector<int64_t> offsets = {})
+      : cu(std::move(offsets)) {
+    p.seq_len = T;
+    p.heads = 1;
+    p.value_heads = 2;
+    p.key_dim = 8;
+    p.value_dim = 4;
+    p.gate_width = width;
+    if (!cu.empty()) p.cu_seqlens = cu;
+    const int64_t G = width == GateWidth::per_head ? 1 : p.key_dim;
+    q.assign(static_cast<size_t>(T * 8), 0.1f);
+    k.assign(static_cast<size_t>(T * 8), 0.2f);
+    v.assign(static_cast<size_t>(T * 2 * 4), 0.3f);
+    g.assign(static_cast<size_t>(T * 2 * G), -0.5f);
+    beta.assign(static_cast<size_t>(T * 2), 0.5f);
+    o.assign(static_cast<size_t>(T * 2 * 4), kSentinel);
+    in.q = make_input(q.data(), DType::f32, p, 1, 8);
+    in.k = make_input(k.data(), DType::f32, p, 1, 8);
+    in.v = make_input(v.data(), DType::f32, p, 2, 4);
+    in.g = make_input(g.data(), DType::f32, p, 2, G);
+    in.beta = make_input(beta.data(), DType::f32, p, 2, 1);
+    out.o = make_output(o.data(), DType::f32, p, 2, 4);
+  }
+  void keep_states(const Shapes& s) {
+    final_state.assign(static_cast<size_t>(s.sequences * 2 * 8 * 4), kSentinel);
+    chunk_states.assign(static_cast<size_t>(s.chunks * 2 * 8 * 4), kSentinel);
+    out.final_state = final_state.data();
+    out.chunk_states = chunk_states.data();
+  }
+};
+
+TEST(Validation, OncePerCall) {
+  Call c(70);
+  int64_t before = validation_count();
+  chunk_forward(c.p, c.in, c.out);
+  EXPECT_EQ(validation_count() - before, 1) << "a Problem-taking entry point validates once";
+
+  before = validation_count();
+  const Prepared prepared = prepare(c.p);
+  c.keep_states(prepared.shapes());
+  chunk_forward(prepared, c.in, c.out);
+  recurrent_forward(prepared, c.in, c.out);
+  EXPECT_EQ(validation_count() - before, 1) << "entry points on a prepared problem do not validate again";
+
+  std::vector<float> d_o(c.o.size(), 1.0f), dq(c.q.size()), dk(c.k.size()), dv(c.v.size()), dg(c.g.size()),
+      dbeta(c.beta.size());
+  BackwardInputs bin;
+  bin.fwd = c.in;
+  bin.d_o = make_input(d_o.data(), DType::f32, c.p, 2, 4);
+  bin.chunk_states = c.chunk_states.data();
+  BackwardOutputs bout;
+  bout.dq = make_output(dq.data(), DType::f32, c.p, 1, 8);
+  bout.dk = make_output(dk.data(), DType::f32, c.p, 1, 8);
+  bout.dv = make_output(dv.data(), DType::f32, c.p, 2, 4);
+  bout.dg = make_output(dg.data(), DType::f32, c.p, 2, 8);
+  bout.dbeta = make_output(dbeta.data(), DType::f32, c.p, 2, 1);
+  before = validation_count();
+  chunk_backward(prepared, bin, bout);
+  recurrent_backward(prepared, bin, bout);
+  EXPECT_EQ(validation_count(), before);
+  chunk_backward(c.p, bin, bout);
+  EXPECT_EQ(validation_count() - before, 1);
+}
+
+TEST(Shapes, SequencesChunksStatesAndSideTensors) {
+  Call c(130, GateWidth::per_key, {0, 64, 65, 65, 130});
+  c.p.state_layout = StateLayout::v_first;
+  const Shapes s = prepare(c.p).shapes();
+  EXPECT_EQ(s.sequences, 4);
+  EXPECT_EQ(s.chunks, 1 + 1 + 0 + 2);
+  EXPECT_EQ(s.state, (std::array<int64_t, 4>{4, 2, 4, 8}));  // V-first: [N, HV, V, K]
+  EXPECT_EQ(s.chunk_states, (std::array<int64_t, 4>{4, 2, 4, 8}));
+  EXPECT_EQ(s.gate_dim, 8);
+  EXPECT_EQ(s.A_log, 2);
+  EXPECT_EQ(s.dt_bias, 16);
+  c.p.state_layout = StateLayout::k_first;
+  c.p.gate_width = GateWidth::per_head;
+  const Shapes h = prepare(c.p).shapes();
+  EXPECT_EQ(h.state, (std::array<int64_t, 4>{4, 2, 8, 4}));
+  EXPECT_EQ(h.gate_dim, 1);
+  EXPECT_EQ(h.dt_bias, 2);
+}
+
+TEST(Shapes, PreparedOwnsItsOffsets) {
+  std::vector<int64_t> cu = {0, 3, 10};
+  Problem p;
+  p.seq_len = 10;
+  p.heads = p.value_heads = 1;
+  p.key_dim = p.value_dim = 4;
+  p.cu_seqlens = cu;
+  const Prepared prepared = prepare(p);
+  cu.assign({9, 9, 9});  // the caller's buffer changes after prepare
+  EXPECT_EQ(prepared.problem().cu_seqlens[1], 3);
+  EXPECT_EQ(prepared.shapes().sequences, 2);
+}
+
+TEST(Routing, OneRuleForEveryEntryPoint) {
+  const Prepared longer = prepare(Call(100).p), shorter = prepare(Call(16).p);
+  RunOptions automatic, chunked, recurrent;
+  chunked.forward_kernel = ForwardKernel::chunked;
+  recurrent.forward_kernel = ForwardKernel::recurrent;
+  EXPECT_EQ(route(Entry::chunk_forward, longer, automatic).kernel, KernelId::recurrent_forward);
+  EXPECT_EQ(route(Entry::chunk_forward, longer, chunked).kernel, KernelId::chunked_forward);
+  EXPECT_EQ(route(Entry::chunk_forward, longer, recurrent, true).kernel, KernelId::recurrent_forward);
+  EXPECT_EQ(route(Entry::chunk_forward, shorter, automatic).kernel, KernelId::decode);
+  EXPECT_EQ(route(Entry::chunk_forward, shorter, automatic, true).kernel, KernelId::recurrent_forward)
+      << "the decode kernel keeps no chunk states";
+  EXPECT_EQ(route(Entry::recurrent_forward, shorter).kernel, KernelId::decode);
+  EXPECT_EQ(route(Entry::recurrent_forward, longer).kernel, KernelId::recurrent_forward);
+  EXPECT_EQ(route(Entry::chunk_backward, shorter).kernel, KernelId::chunked_backward);
+  EXPECT_EQ(route(Entry::recurrent_backward, longer).kernel, KernelId::recurrent_backward);
+  EXPECT_EQ(route(Entry::decode, shorter).kernel, KernelId::decode);
+  const Route r = route(Entry::chunk_forward, longer);
+  EXPECT_STREQ(r.backend, "cpu");
+  EXPECT_GT(std::strlen(r.reason), 10u);
+  EXPECT_STREQ(kernel_name(r.kernel), "recurrent forward");
+  EXPECT_STREQ(entry_name(Entry::decode), "decode");
+
+  RunOptions bad;
+  bad.forward_kernel = static_cast<ForwardKernel>(7);
+  EXPECT_THROW(route(Entry::chunk_forward, longer, bad), Error);
+  Call c(100);
+  EXPECT_THROW(chunk_forward(c.p, c.in, c.out, bad), Error);
+  EXPECT_EQ(c.o[0], kSentinel);
+}
+
+void expect_error_naming(const std::function<void()>& call, const std::string& argument,
+                         const std::string& says) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'" + argument + "'"), std::string::npos) << what;
+    EXPECT_NE(what.find(says), std::string::npos) << what;
+  }
+}
+
+TEST(GateWidth, PerHeadIsValidatedThenRefusedByTheKernels) {
+  Call c(20, GateWidth::per_head);
+  const Prepared prepared = prepare(c.p);
+  EXPECT_EQ(prepared.shapes().gate_dim, 1);
+  for (Entry e : {Entry::chunk_forward, Entry::recurrent_forward, Entry::chunk_backward, Entry::decode})
+    expect_error_naming([&] { route(e, prepared); }, "gate_width", "not supported yet");
+  expect_error_naming([&] { chunk_forward(prepared, c.in, c.out); }, "gate_width", "not supported yet");
+  expect_error_naming([&] { recurrent_forward(c.p, c.in, c.out); }, "gate_width", "not supported yet");
+  for (float x : c.o) ASSERT_EQ(x, kSentinel) << "nothing is written for a refused call";
+
+  // The plan checks the gate's width first: a per-key g under a per-head problem names g.
+  Call wide(20, GateWidth::per_key);
+  wide.p.gate_width = GateWidth::per_head;
+  expect_error_naming([&] { chunk_forward(wide.p, wide.in, wide.out); }, "g", "expected a view of shape");
+  // dt_bias of the per-head shape [HV] is the fused gate's side tensor.
+  std::vector<float> A_log = {0.1f, 0.2f}, dt_bias = {0.0f, 0.5f};
+  c.p.gate = GateMode::softplus;
+  c.in.A_log = A_log.data();
+  c.in.dt_bias = dt_bias.data();
+  expect_error_naming([&] { chunk_forward(c.p, c.in, c.out); }, "gate_width", "not supported yet");
+
+  Problem unknown = c.p;
+  unknown.gate_width = static_cast<GateWidth>(5);
+  expect_error_naming([&] { prepare(unknown); }, "gate_width", "expected per_key");
+  reference::Inputs ri;
+  expect_error_naming([&] { reference::forward(prepare(c.p), ri); }, "gate_width", "float64 oracle");
+}
+
+TEST(GateWidth, ThroughTheCAbi) {
+  Call c(20, GateWidth::per_head);
+  kda_problem p = kda_problem_default();
+  EXPECT_EQ(p.gate_width, KDA_GATE_PER_KEY);
+  p.seq_len = 20;
+  p.heads = 1;
+  p.value_heads = 2;
+  p.key_dim = 8;
+  p.value_dim = 4;
+  p.gate_width = KDA_GATE_PER_HEAD;
+  kda_forward_inputs in = KDA_FORWARD_INPUTS_INIT;
+  in.q = kda_make_input(c.q.data(), KDA_DTYPE_F32, &p, 1, 8);
+  in.k = kda_make_input(c.k.data(), KDA_DTYPE_F32, &p, 1, 8);
+  in.v = kda_make_input(c.v.data(), KDA_DTYPE_F32, &p, 2, 4);
+  in.g = kda_make_input(c.g.data(), KDA_DTYPE_F32, &p, 2, 1);
+  in.beta = kda_make_input(c.beta.data(), KDA_DTYPE_F32, &p, 2, 1);
+  kda_forward_outputs out = KDA_FORWARD_OUTPUTS_INIT;
+  out.o = kda_make_output(c.o.data(), KDA_DTYPE_F32, &p, 2, 4);
+  EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("not supported yet"), std::string::npos) << kda_last_error();
+  // struct_size 0 is the first (0.2.0) layout, without gate_width: the appended field reads as per_key.
+  p.struct_size = 0;
+  std::vector<float> g_wide(static_cast<size_t>(20 * 2 * 8), -0.5f);
+  in.g = kda_make_input(g_wide.data(), KDA_DTYPE_F32, &p, 2, 8);
+  EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_OK) << kda_last_error();
+}
+
+}  // namespace
+}  // namespace kda
