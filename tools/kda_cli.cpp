@@ -35,7 +35,7 @@ using hs::Case;
 using hs::Regime;
 using kda::DType;
 
-constexpr const char* kUsage = R"(usage: kda [check|bench|decode|targets] [options]
+constexpr const char* kUsage = R"(usage: kda [check|bench|decode|route|targets] [options]
 
   kda            run `kda check`, then `kda bench`
   kda check      compare every path with the float64 oracle: chunked and recurrent forward, and
@@ -49,6 +49,9 @@ constexpr const char* kUsage = R"(usage: kda [check|bench|decode|targets] [optio
                  state read from its slot and written back in place) for K-first and V-first
                  pools of fp32 and bf16 states; prints the median microseconds per step, tokens/s
                  and the state bandwidth reached.
+  kda route      which kernel every entry point runs for a shape, on which backend, and why (the
+                 one routing rule, kda::route; --B --T --H --K --V, default a decode step and a
+                 Kimi Linear prefill)
   kda targets    the SIMD targets of this build that this CPU runs, best first, one per line
                  (KDA_CPU_TARGET=NAME pins one for every command)
   kda --help     this text
@@ -126,7 +129,8 @@ Options parse(int argc, char** argv) {
   int i = 1;
   if (i < argc && argv[i][0] != '-') {
     o.command = argv[i++];
-    if (o.command != "check" && o.command != "bench" && o.command != "decode" && o.command != "targets")
+    if (o.command != "check" && o.command != "bench" && o.command != "decode" && o.command != "route" &&
+        o.command != "targets")
       usage_error("unknown command '" + o.command + "'");
   }
   for (; i < argc; ++i) {
@@ -679,6 +683,40 @@ int run_decode(const Options& o) {
   return 0;
 }
 
+// Prints, for each shape, what every entry point runs (chunk states kept or not where that matters).
+int run_route(const Options& o) {
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // (B, T)
+  if (o.B || o.T)
+    shapes.emplace_back(o.B.value_or(1), o.T.value_or(8192));
+  else
+    shapes = {{32, 1}, {1, 8192}};
+  for (const auto& [B, T] : shapes) {
+    kda::Problem p;
+    p.batch = B;
+    p.seq_len = T;
+    p.heads = p.value_heads = o.H.value_or(32);
+    p.key_dim = o.K.value_or(128);
+    p.value_dim = o.V.value_or(128);
+    const kda::Prepared prepared = kda::prepare(p);
+    std::printf("B=%lld T=%lld H=%lld K=%lld V=%lld\n", static_cast<long long>(B), static_cast<long long>(T),
+                static_cast<long long>(p.heads), static_cast<long long>(p.key_dim),
+                static_cast<long long>(p.value_dim));
+    const std::pair<kda::Entry, bool> calls[] = {
+        {kda::Entry::chunk_forward, false},      {kda::Entry::chunk_forward, true},
+        {kda::Entry::recurrent_forward, false},  {kda::Entry::chunk_backward, true},
+        {kda::Entry::recurrent_backward, false}, {kda::Entry::decode, false}};
+    for (const auto& [entry, chunk_states] : calls) {
+      const kda::Route r = kda::route(entry, prepared, {}, chunk_states);
+      const std::string name =
+          std::string(kda::entry_name(entry)) +
+          (entry == kda::Entry::chunk_forward ? (chunk_states ? " (training)" : " (prefill)") : "");
+      std::printf("  %-30s -> %-20s [%s] %s\n", name.c_str(), kda::kernel_name(r.kernel), r.backend,
+                  r.reason);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -687,6 +725,7 @@ int main(int argc, char** argv) {
     if (o.command == "check") return run_check(o);
     if (o.command == "bench") return run_bench(o);
     if (o.command == "decode") return run_decode(o);
+    if (o.command == "route") return run_route(o);
     if (o.command == "targets") {
       for (const std::string& t : kda::simd_targets()) std::printf("%s\n", t.c_str());
       return 0;
