@@ -13,10 +13,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kda/kda.hpp"
@@ -170,17 +172,6 @@ float* packed_out(const char* arg, const OptOut& a, const std::vector<int64_t>& 
 
 // ---- the problem -------------------------------------------------------------------------------
 
-// Options of a call that are not shapes; the shapes come from q and v.
-struct Options {
-  OptIn cu_seqlens;
-  std::optional<float> scale;
-  bool state_v_first;
-  bool qk_l2norm;
-  std::string gate;
-  float gate_lower_bound;
-  std::string beta_mode;
-};
-
 kda::GateMode gate_mode(const std::string& name) {
   if (name == "log_decay") return kda::GateMode::log_decay;
   if (name == "softplus") return kda::GateMode::softplus;
@@ -193,6 +184,13 @@ kda::BetaMode beta_mode(const std::string& name) {
   if (name == "sigmoid") return kda::BetaMode::sigmoid;
   if (name == "sigmoid_x2") return kda::BetaMode::sigmoid_x2;
   fail_value("beta_mode", "expected 'given', 'sigmoid' or 'sigmoid_x2', got '" + name + "'");
+}
+
+kda::GateWidth gate_width(const std::string& name) {
+  if (name == "per_key") return kda::GateWidth::per_key;
+  if (name == "per_head") return kda::GateWidth::per_head;
+  fail_value("gate_width",
+             "expected 'per_key' (KDA) or 'per_head' (the gated delta rule), got '" + name + "'");
 }
 
 // Copies cu_seqlens (int32 or int64, any stride) into `offsets`; the C++ validation checks its values.
@@ -214,10 +212,11 @@ void read_offsets(const InArray& cu, std::vector<int64_t>& offsets) {
   }
 }
 
-// The problem of a call, derived from q [B, T, H, K] and v [B, T, HV, V]; cu_seqlens (int32 or int64) is
-// copied into `offsets`, which must outlive the problem.
-template <typename A>
-kda::Problem make_problem(const A& q, const A& v, const Options& o, std::vector<int64_t>& offsets) {
+// The one problem validation of a call: the problem of q [B, T, H, K] and v [B, T, HV, V] with the
+// options, prepared (kda::prepare copies cu_seqlens). Every engine function takes its result first.
+kda::Prepared prepare(const InArray& q, const InArray& v, const OptIn& cu_seqlens, std::optional<float> scale,
+                      bool state_v_first, bool qk_l2norm, const std::string& gate, float gate_lower_bound,
+                      const std::string& beta, const std::string& width) {
   check_on_cpu("q", q);
   check_on_cpu("v", v);
   if (q.ndim() != 4) fail_value("q", "expected a 4-D [B, T, H, K] array, got shape " + shape_string(q));
@@ -229,41 +228,47 @@ kda::Problem make_problem(const A& q, const A& v, const Options& o, std::vector<
   p.key_dim = static_cast<int64_t>(q.shape(3));
   p.value_heads = static_cast<int64_t>(v.shape(2));
   p.value_dim = static_cast<int64_t>(v.shape(3));
-  if (o.cu_seqlens) {
-    read_offsets(*o.cu_seqlens, offsets);
+  std::vector<int64_t> offsets;
+  if (cu_seqlens) {
+    read_offsets(*cu_seqlens, offsets);
     p.cu_seqlens = offsets;
   }
-  p.scale = o.scale;
-  p.state_layout = o.state_v_first ? kda::StateLayout::v_first : kda::StateLayout::k_first;
-  p.qk_l2norm = o.qk_l2norm;
-  p.gate = gate_mode(o.gate);
-  p.gate_lower_bound = o.gate_lower_bound;
-  p.beta = beta_mode(o.beta_mode);
-  return p;
+  p.scale = scale;
+  p.state_layout = state_v_first ? kda::StateLayout::v_first : kda::StateLayout::k_first;
+  p.qk_l2norm = qk_l2norm;
+  p.gate = gate_mode(gate);
+  p.gate_lower_bound = gate_lower_bound;
+  p.beta = beta_mode(beta);
+  p.gate_width = gate_width(width);
+  return kda::prepare(p);  // kda::Error -> ValueError
 }
 
-// Shapes of the fp32 side tensors of a problem.
+// Dimensions of the fp32 side tensors of a problem.
 struct SideShapes {
   std::vector<int64_t> state, chunk_states, A_log, dt_bias;
+  explicit SideShapes(const kda::Prepared& p) {
+    const kda::Shapes& s = p.shapes();
+    state.assign(s.state.begin(), s.state.end());
+    chunk_states.assign(s.chunk_states.begin(), s.chunk_states.end());
+    A_log = {s.A_log};
+    dt_bias = {s.dt_bias};
+  }
 };
 
-SideShapes side_shapes(const kda::Problem& p) {
-  const int64_t n = kda::num_sequences(p);  // validates the problem (kda::Error -> ValueError)
-  const int64_t nc = kda::num_chunks(p);
-  const bool vf = p.state_layout == kda::StateLayout::v_first;
-  const int64_t a = vf ? p.value_dim : p.key_dim, b = vf ? p.key_dim : p.value_dim;
-  return {{n, p.value_heads, a, b}, {nc, p.value_heads, a, b}, {p.value_heads}, {p.value_heads * p.key_dim}};
-}
+Extent extent(const kda::Prepared& p) { return {p.problem().batch, p.problem().seq_len}; }
 
-kda::ForwardInputs forward_inputs(const kda::Problem& p, const SideShapes& s, const InArray& q,
+// g and dg are [B, T, HV, K] with a per-key-channel gate, [B, T, HV] with a per-head one.
+bool gate_has_dim(const kda::Prepared& p) { return p.problem().gate_width == kda::GateWidth::per_key; }
+
+kda::ForwardInputs forward_inputs(const kda::Prepared& p, const SideShapes& s, const InArray& q,
                                   const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
                                   const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state) {
-  const Extent e{p.batch, p.seq_len};
+  const Extent e = extent(p);
   kda::ForwardInputs in;
   in.q = activation_view<kda::Input>("q", q, e, true);
   in.k = activation_view<kda::Input>("k", k, e, true);
   in.v = activation_view<kda::Input>("v", v, e, true);
-  in.g = activation_view<kda::Input>("g", g, e, true);
+  in.g = activation_view<kda::Input>("g", g, e, gate_has_dim(p));
   in.beta = activation_view<kda::Input>("beta", beta, e, false);
   in.A_log = packed_in("A_log", A_log, s.A_log, true);
   in.dt_bias = packed_in("dt_bias", dt_bias, s.dt_bias, true);
@@ -294,7 +299,8 @@ kda::IndexView index_view(const char* arg, const InArray& a) {
 
 // A pool [num_slots, HV, K, V] (or [num_slots, HV, V, K]), f32 or bf16: each slot packed, slots any
 // distance apart (a view into a larger cache).
-kda::StatePool pool_view(const OutArray& a, const kda::Problem& p) {
+kda::StatePool pool_view(const OutArray& a, const kda::Prepared& prepared) {
+  const kda::Problem& p = prepared.problem();
   check_on_cpu("pool", a);
   kda::StatePool pool;
   if (is_dtype(a.dtype(), nb::dlpack::dtype_code::Float, 32))
@@ -338,56 +344,49 @@ const uint8_t* flags_view(const char* arg, const InArray& a) {
   return static_cast<const uint8_t*>(data_of(a));
 }
 
-// The pool arguments of a forward call (pooled prefill): all three or none of pool and pool_indices.
-struct PoolArgs {
-  const OptOut& pool;
-  const OptIn& indices;
-  const OptIn& has_initial_state;
-};
+// ---- entry points ---------------------------------------------------------------------------------
 
-using ForwardFn = void (*)(const kda::Problem&, const kda::ForwardInputs&, const kda::ForwardOutputs&,
+using ForwardFn = void (*)(const kda::Prepared&, const kda::ForwardInputs&, const kda::ForwardOutputs&,
                            const kda::RunOptions&);
-using BackwardFn = void (*)(const kda::Problem&, const kda::BackwardInputs&, const kda::BackwardOutputs&,
+using BackwardFn = void (*)(const kda::Prepared&, const kda::BackwardInputs&, const kda::BackwardOutputs&,
                             const kda::RunOptions&);
 
-void run_forward(ForwardFn fn, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                 const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
-                 const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
-                 const PoolArgs& pa, const Options& opts, int num_threads) {
-  std::vector<int64_t> offsets;
-  const kda::Problem p = make_problem(q, v, opts, offsets);
-  const SideShapes s = side_shapes(p);
+// A forward; with pool and pool_indices (a server's prefill) the states come from and go to pool slots.
+template <ForwardFn Fn>
+void forward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
+                   const InArray& g, const InArray& beta, const OutArray& o, const OptIn& A_log,
+                   const OptIn& dt_bias, const OptIn& initial_state, const OptOut& final_state,
+                   const OptOut& chunk_states, const OptOut& pool, const OptIn& pool_indices,
+                   const OptIn& has_initial_state, int num_threads) {
+  const SideShapes s(p);
   kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
   kda::PooledStates pooled;
-  if (pa.pool.has_value() != pa.indices.has_value())
-    fail_value(pa.pool ? "pool_indices" : "pool", "pool and pool_indices go together (pooled prefill)");
-  if (pa.has_initial_state && !pa.pool)
-    fail_value("has_initial_state", "only used with pool and pool_indices");
-  if (pa.pool) {
-    pooled.pool = pool_view(*pa.pool, p);
-    pooled.indices = index_view("pool_indices", *pa.indices);
-    if (pa.has_initial_state)
-      pooled.has_initial_state = flags_view("has_initial_state", *pa.has_initial_state);
+  if (pool.has_value() != pool_indices.has_value())
+    fail_value(pool ? "pool_indices" : "pool", "pool and pool_indices go together (pooled prefill)");
+  if (has_initial_state && !pool) fail_value("has_initial_state", "only used with pool and pool_indices");
+  if (pool) {
+    pooled.pool = pool_view(*pool, p);
+    pooled.indices = index_view("pool_indices", *pool_indices);
+    if (has_initial_state) pooled.has_initial_state = flags_view("has_initial_state", *has_initial_state);
     in.pooled_states = &pooled;
   }
   kda::ForwardOutputs out;
-  out.o = activation_view<kda::Output>("o", o, {p.batch, p.seq_len}, true);
+  out.o = activation_view<kda::Output>("o", o, extent(p), true);
   out.final_state = packed_out("final_state", final_state, s.state);
   out.chunk_states = packed_out("chunk_states", chunk_states, s.chunk_states);
   nb::gil_scoped_release release;
-  fn(p, in, out, kda::RunOptions{num_threads});
+  Fn(p, in, out, kda::RunOptions{num_threads});
 }
 
-void run_backward(BackwardFn fn, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                  const InArray& beta, const InArray& d_o, const OutArray& dq, const OutArray& dk,
-                  const OutArray& dv, const OutArray& dg, const OutArray& dbeta, const OptIn& A_log,
-                  const OptIn& dt_bias, const OptIn& initial_state, const OptIn& d_final_state,
-                  const OptIn& chunk_states, const OptOut& d_initial_state, const OptOut& dA_log,
-                  const OptOut& ddt_bias, const Options& opts, int num_threads) {
-  std::vector<int64_t> offsets;
-  const kda::Problem p = make_problem(q, v, opts, offsets);
-  const SideShapes s = side_shapes(p);
-  const Extent e{p.batch, p.seq_len};
+template <BackwardFn Fn>
+void backward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
+                    const InArray& g, const InArray& beta, const InArray& d_o, const OutArray& dq,
+                    const OutArray& dk, const OutArray& dv, const OutArray& dg, const OutArray& dbeta,
+                    const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
+                    const OptIn& d_final_state, const OptIn& chunk_states, const OptOut& d_initial_state,
+                    const OptOut& dA_log, const OptOut& ddt_bias, int num_threads) {
+  const SideShapes s(p);
+  const Extent e = extent(p);
   kda::BackwardInputs in;
   in.fwd = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
   in.d_o = activation_view<kda::Input>("d_o", d_o, e, true);
@@ -397,13 +396,29 @@ void run_backward(BackwardFn fn, const InArray& q, const InArray& k, const InArr
   out.dq = activation_view<kda::Output>("dq", dq, e, true);
   out.dk = activation_view<kda::Output>("dk", dk, e, true);
   out.dv = activation_view<kda::Output>("dv", dv, e, true);
-  out.dg = activation_view<kda::Output>("dg", dg, e, true);
+  out.dg = activation_view<kda::Output>("dg", dg, e, gate_has_dim(p));
   out.dbeta = activation_view<kda::Output>("dbeta", dbeta, e, false);
   out.d_initial_state = packed_out("d_initial_state", d_initial_state, s.state);
   out.dA_log = packed_out("dA_log", dA_log, s.A_log, true);
   out.ddt_bias = packed_out("ddt_bias", ddt_bias, s.dt_bias, true);
   nb::gil_scoped_release release;
-  fn(p, in, out, kda::RunOptions{num_threads});
+  Fn(p, in, out, kda::RunOptions{num_threads});
+}
+
+void decode_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
+                  const InArray& g, const InArray& beta, const OutArray& o, const OutArray& pool,
+                  const InArray& state_indices, const OptIn& num_accepted_tokens, const OptIn& A_log,
+                  const OptIn& dt_bias, int num_threads) {
+  const SideShapes s(p);
+  kda::DecodeInputs in;
+  in.fwd = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, std::nullopt);
+  in.state_indices = index_view("state_indices", state_indices);
+  if (num_accepted_tokens) in.num_accepted_tokens = index_view("num_accepted_tokens", *num_accepted_tokens);
+  const kda::StatePool pool_v = pool_view(pool, p);
+  kda::DecodeOutputs out;
+  out.o = activation_view<kda::Output>("o", o, extent(p), true);
+  nb::gil_scoped_release release;
+  kda::decode(p, in, pool_v, out, kda::RunOptions{num_threads});
 }
 
 // ---- the float64 oracle ------------------------------------------------------------------------
@@ -461,64 +476,60 @@ void scatter(const char* arg, const std::vector<double>& src, const OptOut& a) {
   }
 }
 
-std::vector<int64_t> activation_dims(const kda::Problem& p, int64_t heads, int64_t dim) {
-  return {p.batch, p.seq_len, heads, dim};
+std::vector<int64_t> activation_dims(const kda::Prepared& p, int64_t heads, int64_t dim) {
+  return {p.problem().batch, p.problem().seq_len, heads, dim};
 }
 
-struct OracleCall {
-  kda::Problem problem;
-  std::vector<int64_t> offsets;
+kda::reference::Inputs oracle_inputs(const kda::Prepared& p, const InArray& q, const InArray& k,
+                                     const InArray& v, const InArray& g, const InArray& beta,
+                                     const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state) {
+  const kda::Problem& pr = p.problem();
+  const SideShapes s(p);
+  std::vector<int64_t> g_dims = activation_dims(p, pr.value_heads, p.shapes().gate_dim);
+  if (!gate_has_dim(p)) g_dims.pop_back();
   kda::reference::Inputs in;
-};
-
-void oracle_inputs(OracleCall& c, const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                   const InArray& beta, const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
-                   const Options& opts) {
-  c.problem = make_problem(q, v, opts, c.offsets);
-  const kda::Problem& p = c.problem;
-  const SideShapes s = side_shapes(p);
-  c.in.q = gather("q", q, activation_dims(p, p.heads, p.key_dim), false);
-  c.in.k = gather("k", k, activation_dims(p, p.heads, p.key_dim), false);
-  c.in.v = gather("v", v, activation_dims(p, p.value_heads, p.value_dim), false);
-  c.in.g = gather("g", g, activation_dims(p, p.value_heads, p.key_dim), false);
-  c.in.beta = gather("beta", beta, {p.batch, p.seq_len, p.value_heads}, false);
-  c.in.A_log = gather("A_log", A_log, s.A_log, true);
-  c.in.dt_bias = gather("dt_bias", dt_bias, s.dt_bias, true);
-  c.in.initial_state = gather("initial_state", initial_state, s.state, false);
+  in.q = gather("q", q, activation_dims(p, pr.heads, pr.key_dim), false);
+  in.k = gather("k", k, activation_dims(p, pr.heads, pr.key_dim), false);
+  in.v = gather("v", v, activation_dims(p, pr.value_heads, pr.value_dim), false);
+  in.g = gather("g", g, g_dims, false);
+  in.beta = gather("beta", beta, {pr.batch, pr.seq_len, pr.value_heads}, false);
+  in.A_log = gather("A_log", A_log, s.A_log, true);
+  in.dt_bias = gather("dt_bias", dt_bias, s.dt_bias, true);
+  in.initial_state = gather("initial_state", initial_state, s.state, false);
+  return in;
 }
 
-void reference_forward(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                       const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
-                       const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
-                       const Options& opts) {
-  OracleCall c;
-  oracle_inputs(c, q, k, v, g, beta, A_log, dt_bias, initial_state, opts);
+void reference_forward(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
+                       const InArray& g, const InArray& beta, const OutArray& o, const OptIn& A_log,
+                       const OptIn& dt_bias, const OptIn& initial_state, const OptOut& final_state,
+                       const OptOut& chunk_states) {
+  const kda::reference::Inputs in = oracle_inputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   kda::reference::ForwardResult r;
   {
     nb::gil_scoped_release release;
-    r = kda::reference::forward(c.problem, c.in);
+    r = kda::reference::forward(p, in);
   }
   scatter("o", r.o, o);
   scatter("final_state", r.final_state, final_state);
   scatter("chunk_states", r.chunk_states, chunk_states);
 }
 
-void reference_backward(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                        const InArray& beta, const InArray& d_o, const OutArray& dq, const OutArray& dk,
-                        const OutArray& dv, const OutArray& dg, const OutArray& dbeta, const OptIn& A_log,
-                        const OptIn& dt_bias, const OptIn& initial_state, const OptIn& d_final_state,
-                        const OptOut& d_initial_state, const OptOut& dA_log, const OptOut& ddt_bias,
-                        const Options& opts) {
-  OracleCall c;
-  oracle_inputs(c, q, k, v, g, beta, A_log, dt_bias, initial_state, opts);
-  const kda::Problem& p = c.problem;
-  const SideShapes s = side_shapes(p);
-  const std::vector<double> d_out = gather("d_o", d_o, activation_dims(p, p.value_heads, p.value_dim), false);
+void reference_backward(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
+                        const InArray& g, const InArray& beta, const InArray& d_o, const OutArray& dq,
+                        const OutArray& dk, const OutArray& dv, const OutArray& dg, const OutArray& dbeta,
+                        const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
+                        const OptIn& d_final_state, const OptOut& d_initial_state, const OptOut& dA_log,
+                        const OptOut& ddt_bias) {
+  const kda::reference::Inputs in = oracle_inputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  const kda::Problem& pr = p.problem();
+  const SideShapes s(p);
+  const std::vector<double> d_out =
+      gather("d_o", d_o, activation_dims(p, pr.value_heads, pr.value_dim), false);
   const std::vector<double> d_final = gather("d_final_state", d_final_state, s.state, false);
   kda::reference::Gradients r;
   {
     nb::gil_scoped_release release;
-    r = kda::reference::backward(p, c.in, d_out, d_final);
+    r = kda::reference::backward(p, in, d_out, d_final);
   }
   scatter("dq", r.dq, dq);
   scatter("dk", r.dk, dk);
@@ -527,7 +538,7 @@ void reference_backward(const InArray& q, const InArray& k, const InArray& v, co
   scatter("dbeta", r.dbeta, dbeta);
   scatter("d_initial_state", r.d_initial_state, d_initial_state);
   if (dA_log || ddt_bias) {
-    if (p.gate == kda::GateMode::log_decay)
+    if (pr.gate == kda::GateMode::log_decay)
       fail_value(dA_log ? "dA_log" : "ddt_bias",
                  "only produced by a fused gate (gate 'softplus' or 'lower_bound')");
     scatter("dA_log", r.dA_log, dA_log);
@@ -535,58 +546,8 @@ void reference_backward(const InArray& q, const InArray& k, const InArray& v, co
   }
 }
 
-// ---- argument lists ------------------------------------------------------------------------------
-
-// The keyword-only arguments every problem-taking function shares, in the order of Options.
-#define KDA_PROBLEM_ARGS                                                                         \
-  nb::arg("cu_seqlens").none() = nb::none(), nb::arg("scale").none() = nb::none(),               \
-  nb::arg("state_v_first") = false, nb::arg("qk_l2norm") = false, nb::arg("gate") = "log_decay", \
-  nb::arg("gate_lower_bound") = -5.0f, nb::arg("beta_mode") = "given"
-
-#define KDA_PROBLEM_PARAMS                                                                            \
-  OptIn cu_seqlens, std::optional<float> scale, bool state_v_first, bool qk_l2norm, std::string gate, \
-      float gate_lower_bound, std::string beta_mode
-
-#define KDA_PROBLEM_OPTIONS \
-  Options { cu_seqlens, scale, state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode }
-
-template <ForwardFn Fn>
-void forward_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                   const InArray& beta, const OutArray& o, const OptIn& A_log, const OptIn& dt_bias,
-                   const OptIn& initial_state, const OptOut& final_state, const OptOut& chunk_states,
-                   KDA_PROBLEM_PARAMS, const OptOut& pool, const OptIn& pool_indices,
-                   const OptIn& has_initial_state, int num_threads) {
-  run_forward(Fn, q, k, v, g, beta, o, A_log, dt_bias, initial_state, final_state, chunk_states,
-              PoolArgs{pool, pool_indices, has_initial_state}, KDA_PROBLEM_OPTIONS, num_threads);
-}
-
-void decode_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
-                  const OutArray& o, const OutArray& pool, const InArray& state_indices,
-                  const OptIn& num_accepted_tokens, const OptIn& A_log, const OptIn& dt_bias,
-                  KDA_PROBLEM_PARAMS, int num_threads) {
-  std::vector<int64_t> offsets;
-  const kda::Problem p = make_problem(q, v, KDA_PROBLEM_OPTIONS, offsets);
-  const SideShapes s = side_shapes(p);
-  kda::DecodeInputs in;
-  in.fwd = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, std::nullopt);
-  in.state_indices = index_view("state_indices", state_indices);
-  if (num_accepted_tokens) in.num_accepted_tokens = index_view("num_accepted_tokens", *num_accepted_tokens);
-  const kda::StatePool pool_v = pool_view(pool, p);
-  kda::DecodeOutputs out;
-  out.o = activation_view<kda::Output>("o", o, {p.batch, p.seq_len}, true);
-  nb::gil_scoped_release release;
-  kda::decode(p, in, pool_v, out, kda::RunOptions{num_threads});
-}
-
-template <BackwardFn Fn>
-void backward_entry(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
-                    const InArray& beta, const InArray& d_o, const OutArray& dq, const OutArray& dk,
-                    const OutArray& dv, const OutArray& dg, const OutArray& dbeta, const OptIn& A_log,
-                    const OptIn& dt_bias, const OptIn& initial_state, const OptIn& d_final_state,
-                    const OptIn& chunk_states, const OptOut& d_initial_state, const OptOut& dA_log,
-                    const OptOut& ddt_bias, KDA_PROBLEM_PARAMS, int num_threads) {
-  run_backward(Fn, q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, A_log, dt_bias, initial_state, d_final_state,
-               chunk_states, d_initial_state, dA_log, ddt_bias, KDA_PROBLEM_OPTIONS, num_threads);
+nb::tuple dims_tuple(const std::array<int64_t, 4>& d, size_t from) {
+  return from == 1 ? nb::make_tuple(d[1], d[2], d[3]) : nb::make_tuple(d[0], d[1], d[2], d[3]);
 }
 
 }  // namespace
@@ -594,100 +555,101 @@ void backward_entry(const InArray& q, const InArray& k, const InArray& v, const 
 NB_MODULE(_engine, m) {
   m.doc() =
       "kda's C++ engine over DLPack / buffer-protocol arrays (torch, NumPy). Shapes: q, k [B, T, H, K], "
-      "v [B, T, HV, V], g [B, T, HV, K], beta [B, T, HV], states [N, HV, K, V] (or [N, HV, V, K] with "
-      "state_v_first), fp32 A_log [HV], dt_bias [HV*K]. Outputs are caller-allocated arrays, written in "
-      "place.";
+      "v [B, T, HV, V], g [B, T, HV, K] (or [B, T, HV] with gate_width 'per_head'), beta [B, T, HV], "
+      "states [N, HV, K, V] (or [N, HV, V, K] with state_v_first), fp32 A_log [HV], dt_bias [HV*K] (or "
+      "[HV]). A call validates its problem once with prepare(); every function takes the result first. "
+      "Outputs are caller-allocated arrays, written in place.";
   m.attr("CHUNK_SIZE") = kda::kChunkSize;
   m.attr("MAX_HEAD_DIM") = kda::kMaxHeadDim;
   m.def("simd_target", &kda::simd_target,
         "The SIMD target the kernels dispatch to on this CPU (KDA_CPU_TARGET, read once, may pin one).");
   m.def("simd_targets", &kda::simd_targets, "The SIMD targets of this build that this CPU runs, best first.");
+  m.def("validation_count", &kda::validation_count,
+        "How many problems this process has validated (one per engine call; for tests).");
 
-  m.def(
-      "num_chunks",
-      [](int64_t batch, int64_t seq_len, const OptIn& cu_seqlens) {
-        kda::Problem p;  // only the sequence structure matters; the head shapes are placeholders
-        p.batch = batch;
-        p.seq_len = seq_len;
-        p.heads = p.value_heads = p.key_dim = p.value_dim = 1;
-        std::vector<int64_t> offsets;
-        if (cu_seqlens) {
-          read_offsets(*cu_seqlens, offsets);
-          p.cu_seqlens = offsets;
-        }
-        return kda::num_chunks(p);
-      },
-      nb::arg("batch"), nb::arg("seq_len"), nb::arg("cu_seqlens").none() = nb::none(),
-      "Total chunks of the chunked form (the first dimension of chunk_states): sum of ceil(len / "
-      "CHUNK_SIZE).");
+  // The problem options, defined once: prepare() is the only function that takes them.
+  nb::class_<kda::Prepared>(m, "Problem", "A validated problem (prepare()): its shapes, for sizing tensors.")
+      .def_prop_ro("num_sequences", [](const kda::Prepared& p) { return p.shapes().sequences; })
+      .def_prop_ro("num_chunks", [](const kda::Prepared& p) { return p.shapes().chunks; })
+      .def_prop_ro(
+          "state_shape", [](const kda::Prepared& p) { return dims_tuple(p.shapes().state, 1); },
+          "(HV, K, V) or (HV, V, K): one sequence's state in the problem's layout.")
+      .def_prop_ro("gate_dim", [](const kda::Prepared& p) { return p.shapes().gate_dim; })
+      .def(
+          "route",
+          [](const kda::Prepared& p, const std::string& entry, bool chunk_states) {
+            static const std::pair<const char*, kda::Entry> entries[] = {
+                {"chunk_forward", kda::Entry::chunk_forward},
+                {"recurrent_forward", kda::Entry::recurrent_forward},
+                {"chunk_backward", kda::Entry::chunk_backward},
+                {"recurrent_backward", kda::Entry::recurrent_backward},
+                {"decode", kda::Entry::decode}};
+            for (const auto& [name, e] : entries)
+              if (entry == name) {
+                const kda::Route r = kda::route(e, p, {}, chunk_states);
+                return nb::make_tuple(kda::kernel_name(r.kernel), r.backend, r.reason);
+              }
+            fail_value("entry",
+                       "expected one of chunk_forward, recurrent_forward, chunk_backward, "
+                       "recurrent_backward, decode; got '" +
+                           entry + "'");
+          },
+          nb::arg("entry"), nb::arg("chunk_states") = false,
+          "(kernel, backend, reason): what the entry point runs for this problem, and why.");
+  m.def("prepare", &prepare, nb::arg("q"), nb::arg("v"), nb::arg("cu_seqlens").none() = nb::none(),
+        nb::arg("scale").none() = nb::none(), nb::arg("state_v_first") = false, nb::arg("qk_l2norm") = false,
+        nb::arg("gate") = "log_decay", nb::arg("gate_lower_bound") = -5.0f, nb::arg("beta_mode") = "given",
+        nb::arg("gate_width") = "per_key",
+        "(q, v, cu_seqlens, scale, state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode, gate_width) "
+        "-> Problem: the call's one problem validation.");
 
-  const char* fwd_doc =
-      "(q, k, v, g, beta, o, *, A_log, dt_bias, initial_state, final_state, chunk_states, cu_seqlens, scale, "
-      "state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode, pool, pool_indices, has_initial_state, "
-      "num_threads): writes o (and final_state, chunk_states when given; with pool and pool_indices the "
-      "states come from and go to pool slots).";
-  const char* bwd_doc =
-      "(q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, *, A_log, dt_bias, initial_state, d_final_state, "
-      "chunk_states, d_initial_state, dA_log, ddt_bias, ...problem options, num_threads): writes every "
-      "gradient.";
+#define KDA_FORWARD_ARGS                                                                                     \
+  nb::arg("problem"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("o"), \
+      nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),           \
+                     nb::arg("initial_state").none() = nb::none(),                                           \
+                     nb::arg("final_state").none() = nb::none(), nb::arg("chunk_states").none() = nb::none()
 
-#define KDA_FORWARD_ARGS                                                                                \
-  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("o"), nb::kw_only(), \
-      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                     \
-      nb::arg("initial_state").none() = nb::none(), nb::arg("final_state").none() = nb::none(),         \
-      nb::arg("chunk_states").none() = nb::none(), KDA_PROBLEM_ARGS
-
-#define KDA_BACKWARD_ARGS                                                                                 \
-  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("d_o"), nb::arg("dq"), \
-      nb::arg("dk"), nb::arg("dv"), nb::arg("dg"), nb::arg("dbeta"), nb::kw_only(),                       \
-      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                       \
-      nb::arg("initial_state").none() = nb::none(), nb::arg("d_final_state").none() = nb::none()
+#define KDA_BACKWARD_ARGS                                                                           \
+  nb::arg("problem"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),      \
+      nb::arg("d_o"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dg"), nb::arg("dbeta"), \
+      nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),  \
+                     nb::arg("initial_state").none() = nb::none(),                                  \
+                     nb::arg("d_final_state").none() = nb::none()
 
 #define KDA_POOL_ARGS                                                               \
   nb::arg("pool").none() = nb::none(), nb::arg("pool_indices").none() = nb::none(), \
   nb::arg("has_initial_state").none() = nb::none()
 
+  const char* fwd_doc =
+      "(problem, q, k, v, g, beta, o, *, A_log, dt_bias, initial_state, final_state, chunk_states, pool, "
+      "pool_indices, has_initial_state, num_threads): writes o (and final_state, chunk_states when given; "
+      "with pool and pool_indices the states come from and go to pool slots).";
+  const char* bwd_doc =
+      "(problem, q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, *, A_log, dt_bias, initial_state, "
+      "d_final_state, chunk_states, d_initial_state, dA_log, ddt_bias, num_threads): writes every gradient.";
   m.def("chunk_forward", &forward_entry<&kda::chunk_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
         nb::arg("num_threads") = 0, fwd_doc);
   m.def("recurrent_forward", &forward_entry<&kda::recurrent_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
         nb::arg("num_threads") = 0, fwd_doc);
-  m.def("decode", &decode_entry, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
-        nb::arg("o"), nb::arg("pool"), nb::arg("state_indices"), nb::kw_only(),
-        nb::arg("num_accepted_tokens").none() = nb::none(), nb::arg("A_log").none() = nb::none(),
-        nb::arg("dt_bias").none() = nb::none(), KDA_PROBLEM_ARGS, nb::arg("num_threads") = 0,
-        "(q, k, v, g, beta, o, pool, state_indices, *, num_accepted_tokens, A_log, dt_bias, ...problem "
-        "options, "
-        "num_threads): batched decode on a state pool [num_slots, HV, K, V] (or V-first), updated in place; "
-        "writes o.");
   m.def("chunk_backward", &backward_entry<&kda::chunk_backward>, KDA_BACKWARD_ARGS,
         nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
-        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,
+        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(),
         nb::arg("num_threads") = 0, bwd_doc);
   m.def("recurrent_backward", &backward_entry<&kda::recurrent_backward>, KDA_BACKWARD_ARGS,
         nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
-        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,
+        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(),
         nb::arg("num_threads") = 0, bwd_doc);
-
-  m.def(
-      "reference_forward",
-      [](const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
-         const OutArray& o, const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
-         const OptOut& final_state, const OptOut& chunk_states, KDA_PROBLEM_PARAMS) {
-        reference_forward(q, k, v, g, beta, o, A_log, dt_bias, initial_state, final_state, chunk_states,
-                          KDA_PROBLEM_OPTIONS);
-      },
-      KDA_FORWARD_ARGS, "The float64 oracle's forward: every array float64, any strides.");
-  m.def(
-      "reference_backward",
-      [](const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
-         const InArray& d_o, const OutArray& dq, const OutArray& dk, const OutArray& dv, const OutArray& dg,
-         const OutArray& dbeta, const OptIn& A_log, const OptIn& dt_bias, const OptIn& initial_state,
-         const OptIn& d_final_state, const OptOut& d_initial_state, const OptOut& dA_log,
-         const OptOut& ddt_bias, KDA_PROBLEM_PARAMS) {
-        reference_backward(q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, A_log, dt_bias, initial_state,
-                           d_final_state, d_initial_state, dA_log, ddt_bias, KDA_PROBLEM_OPTIONS);
-      },
-      KDA_BACKWARD_ARGS, nb::arg("d_initial_state").none() = nb::none(),
-      nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), KDA_PROBLEM_ARGS,
-      "The float64 oracle's exact backward: every array float64, any strides.");
+  m.def("decode", &decode_entry, nb::arg("problem"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
+        nb::arg("beta"), nb::arg("o"), nb::arg("pool"), nb::arg("state_indices"), nb::kw_only(),
+        nb::arg("num_accepted_tokens").none() = nb::none(), nb::arg("A_log").none() = nb::none(),
+        nb::arg("dt_bias").none() = nb::none(), nb::arg("num_threads") = 0,
+        "(problem, q, k, v, g, beta, o, pool, state_indices, *, num_accepted_tokens, A_log, dt_bias, "
+        "num_threads): batched decode on a state pool [num_slots, HV, K, V] (or V-first), updated in "
+        "place; writes o.");
+  m.def("reference_forward", &reference_forward, KDA_FORWARD_ARGS,
+        "The float64 oracle's forward: every array float64, any strides.");
+  m.def("reference_backward", &reference_backward, KDA_BACKWARD_ARGS,
+        nb::arg("d_initial_state").none() = nb::none(), nb::arg("dA_log").none() = nb::none(),
+        nb::arg("ddt_bias").none() = nb::none(),
+        "The float64 oracle's exact backward: every array float64, any strides.");
 }
