@@ -1,5 +1,6 @@
 """kda.engine, the binding itself: any DLPack / buffer-protocol array (NumPy here), caller-allocated
-outputs written in place, and errors that name the argument, raised before anything is written."""
+outputs written in place, and errors that name the argument, raised before anything is written. A
+call's problem is validated once, by engine.prepare(); every engine function takes its result."""
 
 import kda
 import numpy as np
@@ -19,9 +20,24 @@ def _numpy_call(case=None):
     return tensors, options, arrays, h0, o, final
 
 
+def _run(function, q, k, v, g, beta, o, problem=None, **kw):
+    """One engine call: its problem prepared from q, v and the `problem` options, then the function."""
+    return function(engine.prepare(q, v, **(problem or {})), q, k, v, g, beta, o, **kw)
+
+
 def test_numpy_arrays_give_the_torch_layer_results():
     tensors, options, a, h0, o, final = _numpy_call()
-    engine.chunk_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], o, initial_state=h0, final_state=final)
+    _run(
+        engine.chunk_forward,
+        a["q"],
+        a["k"],
+        a["v"],
+        a["g"],
+        a["beta"],
+        o,
+        initial_state=h0,
+        final_state=final,
+    )
     with torch.no_grad():
         o_t, final_t = kda.chunk_kda(**tensors, output_final_state=True, **options)
     assert np.array_equal(o, o_t.numpy()) and np.array_equal(final, final_t.numpy())
@@ -33,18 +49,78 @@ def test_read_only_inputs_are_accepted():
     _, _, a, h0, o, final = _numpy_call()
     for x in (*a.values(), h0):
         x.setflags(write=False)
-    engine.recurrent_forward(
-        a["q"], a["k"], a["v"], a["g"], a["beta"], o, initial_state=h0, final_state=final
+    _run(
+        engine.recurrent_forward,
+        a["q"],
+        a["k"],
+        a["v"],
+        a["g"],
+        a["beta"],
+        o,
+        initial_state=h0,
+        final_state=final,
     )
     assert np.isfinite(o).all() and np.abs(o).sum() > 0
 
 
-def test_num_chunks():
-    assert engine.num_chunks(2, 130) == 6
-    assert engine.num_chunks(1, 130, np.array([0, 1, 1, 65, 130])) == 1 + 0 + 1 + 2
-    assert engine.num_chunks(1, 130, torch.tensor([0, 65, 130], dtype=torch.int32)) == 4
+def test_prepared_problem_shapes():
+    q, v = np.zeros((2, 130, 1, 16), np.float32), np.zeros((2, 130, 3, 8), np.float32)
+    p = engine.prepare(q, v)
+    assert (p.num_sequences, p.num_chunks, p.state_shape, p.gate_dim) == (2, 6, (3, 16, 8), 16)
+    assert engine.prepare(q, v, state_v_first=True).state_shape == (3, 8, 16)
+    assert engine.prepare(q, v, gate_width="per_head").gate_dim == 1
+    q1, v1 = q[:1], v[:1]
+    p = engine.prepare(q1, v1, np.array([0, 1, 1, 65, 130]))
+    assert (p.num_sequences, p.num_chunks) == (4, 1 + 0 + 1 + 2)
+    assert engine.prepare(q1, v1, torch.tensor([0, 65, 130], dtype=torch.int32)).num_chunks == 4
     with pytest.raises(ValueError, match="'cu_seqlens'"):
-        engine.num_chunks(1, 130, np.array([0, 65, 129]))
+        engine.prepare(q1, v1, np.array([0, 65, 129]))
+    with pytest.raises(ValueError, match="'gate_width': expected 'per_key'"):
+        engine.prepare(q, v, gate_width="per_token")
+
+
+def test_one_validation_per_call_and_the_route():
+    _, _, a, h0, o, final = _numpy_call()
+    before = engine.validation_count()
+    _run(
+        engine.chunk_forward,
+        a["q"],
+        a["k"],
+        a["v"],
+        a["g"],
+        a["beta"],
+        o,
+        initial_state=h0,
+        final_state=final,
+    )
+    assert engine.validation_count() - before == 1
+    p = engine.prepare(a["q"], a["v"])
+    kernel, backend, reason = p.route("chunk_forward")
+    assert (kernel, backend) == ("recurrent forward", "cpu") and reason
+    assert p.route("chunk_backward", True)[0] == "chunked backward"
+    with pytest.raises(ValueError, match="'entry'"):
+        p.route("sideways")
+
+
+def test_a_per_head_gate_is_taken_then_refused_until_the_kernels_have_it():
+    _, _, a, h0, o, final = _numpy_call()
+    g3 = np.ascontiguousarray(a["g"][..., 0])  # [B, T, HV]: one log decay per head
+    o[...] = 7.0
+    for function in (engine.chunk_forward, engine.recurrent_forward):
+        with pytest.raises(ValueError, match="'gate_width': per_head .* not supported yet"):
+            _run(function, a["q"], a["k"], a["v"], g3, a["beta"], o, problem=dict(gate_width="per_head"))
+    assert (o == 7.0).all()
+    with pytest.raises(ValueError, match="'g': expected a 3-D"):
+        _run(
+            engine.chunk_forward,
+            a["q"],
+            a["k"],
+            a["v"],
+            a["g"],
+            a["beta"],
+            o,
+            problem=dict(gate_width="per_head"),
+        )
 
 
 def test_binding_errors_name_the_argument_and_write_nothing():
@@ -58,8 +134,15 @@ def test_binding_errors_name_the_argument_and_write_nothing():
         for name, value in over.items():
             (args if name in args else kw)[name] = value
         o[...] = 7.0
-        engine.chunk_forward(
-            args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"), args.pop("o"), **kw
+        _run(
+            engine.chunk_forward,
+            args.pop("q"),
+            args.pop("k"),
+            args.pop("v"),
+            args.pop("g"),
+            args.pop("beta"),
+            args.pop("o"),
+            **kw,
         )
 
     cases = [
@@ -92,7 +175,8 @@ def test_binding_errors_name_the_argument_and_write_nothing():
         if over.get("o") is None:
             assert np.array_equal(o, sentinel), message  # nothing written
     with pytest.raises(ValueError, match="'o': expected dtype f32"):
-        engine.chunk_forward(
+        _run(
+            engine.chunk_forward,
             torch.from_numpy(q),
             torch.from_numpy(k),
             torch.from_numpy(v),
@@ -101,22 +185,22 @@ def test_binding_errors_name_the_argument_and_write_nothing():
             torch.zeros(o.shape, dtype=torch.bfloat16),
         )
     with pytest.raises(ValueError, match="'gate': expected 'log_decay'"):
-        engine.chunk_forward(q, k, v, g, beta, o, gate="softplus_x")
+        _run(engine.chunk_forward, q, k, v, g, beta, o, problem=dict(gate="softplus_x"))
     with pytest.raises(ValueError, match="'A_log': required by the fused gate"):
-        engine.chunk_forward(q, k, v, g, beta, o, gate="softplus")
+        _run(engine.chunk_forward, q, k, v, g, beta, o, problem=dict(gate="softplus"))
     with pytest.raises(ValueError, match="'num_threads'"):
-        engine.chunk_forward(q, k, v, g, beta, o, num_threads=-1)
+        _run(engine.chunk_forward, q, k, v, g, beta, o, num_threads=-1)
     # A tensor DLPack cannot export (the meta device has no data) is refused by nanobind's conversion.
     with pytest.raises(TypeError, match="incompatible function arguments"):
-        engine.chunk_forward(torch.zeros(q.shape, device="meta"), k, v, g, beta, o)
+        engine.chunk_forward(engine.prepare(q, v), torch.zeros(q.shape, device="meta"), k, v, g, beta, o)
 
 
 def test_oracle_binding_needs_float64():
     _, _, a, h0, o, final = _numpy_call()
     with pytest.raises(TypeError, match="'q': expected dtype float64"):
-        engine.reference_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], o.astype(np.float64))
+        _run(engine.reference_forward, a["q"], a["k"], a["v"], a["g"], a["beta"], o.astype(np.float64))
     a64 = {n: x.astype(np.float64) for n, x in a.items()}
     o64 = np.zeros(o.shape)
-    engine.reference_forward(a64["q"], a64["k"], a64["v"], a64["g"], a64["beta"], o64)
-    engine.chunk_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], o)
+    _run(engine.reference_forward, a64["q"], a64["k"], a64["v"], a64["g"], a64["beta"], o64)
+    _run(engine.chunk_forward, a["q"], a["k"], a["v"], a["g"], a["beta"], o)
     assert np.abs(o64 - o).max() <= 1e-5 * np.abs(o64).max()
