@@ -284,7 +284,7 @@ const char* kernel_name(KernelId k);
 
 // Which kernel chunk_forward runs. Both are exact (the same results within fp32 rounding, not bit
 // for bit); automatic picks the faster for the shape and thread count alone, so a given call always
-// runs the same kernel (see docs/api.md for the rule).
+// runs the same kernel (route() applies the rule; docs/api.md states it).
 enum class ForwardKernel : int32_t { automatic = 0, chunked = 1, recurrent = 2 };
 
 struct RunOptions {

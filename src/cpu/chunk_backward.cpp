@@ -12,7 +12,7 @@
 //   dq  = scale e^G (dO S^T)            dKi = e^{G_last - G} (Vn dS'^T)
 //   [dW | dU] = [-dVn S^T | dVn]        Y = (I + L)^-T [dW | dU]          dL = -stril(Y [W | U]^T)
 // then the intra-chunk terms through E_ij = exp(G_i - G_j), the reverse chunk-local cumsum of dG,
-// and the pre-processing backward (L2 norm, gate, beta).
+// and the pre-processing backward (L2 norm, gate, beta). docs/math.md ("The backward") derives them.
 #include <memory>
 #include <vector>
 

@@ -2,7 +2,7 @@
 // (heads_per_item): its chunks are walked in order, each chunk's rows of all the group's heads
 // gathered token by token (a token's rows of adjacent heads are adjacent in memory), then each head
 // processed with its state in a per-thread K-first tile that stays in cache.
-// Per chunk (see docs: the chunked form), with S the entering state:
+// Per chunk (docs/math.md, "The chunked (WY) form"), with S the entering state:
 //   Vn = U - W S          O = (scale Q e^G) S + P Vn          S' = e^{G_last} S + (K e^{G_last - G})^T Vn
 #include <memory>
 #include <vector>

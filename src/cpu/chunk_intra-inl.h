@@ -7,7 +7,7 @@
 // spans (never a difference of long prefix sums), so exp(G_i - G_j) stays accurate next to any
 // decay; the diagonal 16 x 16 blocks use per-element products of exp(g_t) <= 1 (never a split
 // around an anchor), and the off-diagonal blocks are anchored at the first row of the query
-// sub-chunk.
+// sub-chunk. docs/math.md ("The chunked (WY) form", "Exactness devices") derives both.
 
 #if defined(KDA_CPU_CHUNK_INTRA_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDA_CPU_CHUNK_INTRA_INL_H_

@@ -22,6 +22,7 @@
 //   dS2 = dS + scale q do^T     dq += scale S2 do      dr = dS2^T k       dk += dS2 r
 //   dv = beta dr                dbeta = dr . w         du = -beta dr      dS1 = dS2 + k du^T
 //   dk += S1 du                 dg = rowsum(S1 * dS1)  dS0 = diag(e^g) dS1
+// (docs/math.md, "The backward", token by token.)
 // Items are (sequence, q/k head): the value heads of a group are visited in a fixed order and their
 // dq, dk summed in a per-item buffer, so results do not depend on the thread count. dA_log and
 // dt_bias gradients are accumulated in double per (sequence, value head), then summed over
