@@ -338,7 +338,12 @@ void decode(const Problem& p, const DecodeInputs& in, const StatePool& pool, con
             const RunOptions& opt = {});
 
 // The same entry points on a prepared problem (no second validation of the problem; the tensors are
-// still checked against it).
+// still checked against it). forward() and backward() are what they run: check the tensors, route()
+// the entry point, call the backend's kernel (a binding calls them directly).
+void forward(Entry entry, const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+             const RunOptions& opt = {});
+void backward(Entry entry, const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+              const RunOptions& opt = {});
 void chunk_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt = {});
 void recurrent_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,

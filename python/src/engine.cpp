@@ -346,13 +346,8 @@ const uint8_t* flags_view(const char* arg, const InArray& a) {
 
 // ---- entry points ---------------------------------------------------------------------------------
 
-using ForwardFn = void (*)(const kda::Prepared&, const kda::ForwardInputs&, const kda::ForwardOutputs&,
-                           const kda::RunOptions&);
-using BackwardFn = void (*)(const kda::Prepared&, const kda::BackwardInputs&, const kda::BackwardOutputs&,
-                            const kda::RunOptions&);
-
 // A forward; with pool and pool_indices (a server's prefill) the states come from and go to pool slots.
-template <ForwardFn Fn>
+template <kda::Entry E>
 void forward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
                    const InArray& g, const InArray& beta, const OutArray& o, const OptIn& A_log,
                    const OptIn& dt_bias, const OptIn& initial_state, const OptOut& final_state,
@@ -375,10 +370,10 @@ void forward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, c
   out.final_state = packed_out("final_state", final_state, s.state);
   out.chunk_states = packed_out("chunk_states", chunk_states, s.chunk_states);
   nb::gil_scoped_release release;
-  Fn(p, in, out, kda::RunOptions{num_threads});
+  kda::forward(E, p, in, out, kda::RunOptions{num_threads});
 }
 
-template <BackwardFn Fn>
+template <kda::Entry E>
 void backward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
                     const InArray& g, const InArray& beta, const InArray& d_o, const OutArray& dq,
                     const OutArray& dk, const OutArray& dv, const OutArray& dg, const OutArray& dbeta,
@@ -402,7 +397,7 @@ void backward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, 
   out.dA_log = packed_out("dA_log", dA_log, s.A_log, true);
   out.ddt_bias = packed_out("ddt_bias", ddt_bias, s.dt_bias, true);
   nb::gil_scoped_release release;
-  Fn(p, in, out, kda::RunOptions{num_threads});
+  kda::backward(E, p, in, out, kda::RunOptions{num_threads});
 }
 
 void decode_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
@@ -627,15 +622,15 @@ NB_MODULE(_engine, m) {
   const char* bwd_doc =
       "(problem, q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, *, A_log, dt_bias, initial_state, "
       "d_final_state, chunk_states, d_initial_state, dA_log, ddt_bias, num_threads): writes every gradient.";
-  m.def("chunk_forward", &forward_entry<&kda::chunk_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
+  m.def("chunk_forward", &forward_entry<kda::Entry::chunk_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
         nb::arg("num_threads") = 0, fwd_doc);
-  m.def("recurrent_forward", &forward_entry<&kda::recurrent_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
+  m.def("recurrent_forward", &forward_entry<kda::Entry::recurrent_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
         nb::arg("num_threads") = 0, fwd_doc);
-  m.def("chunk_backward", &backward_entry<&kda::chunk_backward>, KDA_BACKWARD_ARGS,
+  m.def("chunk_backward", &backward_entry<kda::Entry::chunk_backward>, KDA_BACKWARD_ARGS,
         nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
         nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(),
         nb::arg("num_threads") = 0, bwd_doc);
-  m.def("recurrent_backward", &backward_entry<&kda::recurrent_backward>, KDA_BACKWARD_ARGS,
+  m.def("recurrent_backward", &backward_entry<kda::Entry::recurrent_backward>, KDA_BACKWARD_ARGS,
         nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
         nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(),
         nb::arg("num_threads") = 0, bwd_doc);

@@ -2,6 +2,7 @@
 // the one routing rule which backend and kernel run it, call that kernel. Nothing here knows a
 // backend by name (core/backend.hpp).
 #include <memory>
+#include <string>
 
 #include "core/backend.hpp"
 #include "core/plan.hpp"
@@ -47,11 +48,8 @@ int64_t num_chunks(const Problem& p) { return prepare(p).shapes().chunks; }
 
 // ---- entry points ----------------------------------------------------------------------------------
 
-namespace {
-
-// Runs a forward entry point on the kernel the routing rule picks.
-void run_forward(Entry entry, const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
-                 const RunOptions& opt) {
+void forward(Entry entry, const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
+             const RunOptions& opt) {
   const core::Plan plan = core::plan_forward(p.plan(), in, out);
   const core::Backend& b = core::backend_for(plan);
   switch (core::route(entry, plan, b, opt, out.chunk_states != nullptr).kernel) {
@@ -64,41 +62,39 @@ void run_forward(Entry entry, const Prepared& p, const ForwardInputs& in, const 
       dout.o = out.o;
       return b.decode(plan, din, dout, opt);
     }
-    default: throw Error("kda: internal error: a forward routed to a backward kernel");
+    default: throw Error(std::string("kda: argument 'entry': ") + entry_name(entry) + " is not a forward");
   }
 }
 
-void run_backward(Entry entry, const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
-                  const RunOptions& opt) {
+void backward(Entry entry, const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
+              const RunOptions& opt) {
   const core::Plan plan = core::plan_backward(p.plan(), in, out);
   const core::Backend& b = core::backend_for(plan);
   switch (core::route(entry, plan, b, opt, in.chunk_states != nullptr).kernel) {
     case KernelId::chunked_backward: return b.chunk_backward(plan, in, out, opt);
     case KernelId::recurrent_backward: return b.recurrent_backward(plan, in, out, opt);
-    default: throw Error("kda: internal error: a backward routed to a forward kernel");
+    default: throw Error(std::string("kda: argument 'entry': ") + entry_name(entry) + " is not a backward");
   }
 }
 
-}  // namespace
-
 void chunk_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
-  run_forward(Entry::chunk_forward, p, in, out, opt);
+  forward(Entry::chunk_forward, p, in, out, opt);
 }
 
 void recurrent_forward(const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
                        const RunOptions& opt) {
-  run_forward(Entry::recurrent_forward, p, in, out, opt);
+  forward(Entry::recurrent_forward, p, in, out, opt);
 }
 
 void chunk_backward(const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
                     const RunOptions& opt) {
-  run_backward(Entry::chunk_backward, p, in, out, opt);
+  backward(Entry::chunk_backward, p, in, out, opt);
 }
 
 void recurrent_backward(const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
                         const RunOptions& opt) {
-  run_backward(Entry::recurrent_backward, p, in, out, opt);
+  backward(Entry::recurrent_backward, p, in, out, opt);
 }
 
 void decode(const Prepared& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,

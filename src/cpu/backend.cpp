@@ -22,27 +22,10 @@ bool prefill_prefers_recurrent(const core::Plan&, const RunOptions&) { return tr
 // kernel when no chunk states are kept.
 constexpr int64_t kDecodeTokens = 16;
 
-template <typename In, typename Out>
-using KernelFn = void (*)(const core::Plan&, const In&, const Out&, core::Runner&);
-
-// Wraps a kernel into a table entry: target selection and the call's runner.
-template <typename In, typename Out, KernelFn<In, Out> Kernel>
-void entry(const core::Plan& plan, const In& in, const Out& out, const RunOptions& opt) {
-  select_target();
-  core::Runner run(opt.context, opt.num_threads);
-  Kernel(plan, in, out, run);
-}
-
 const core::Backend kCpu{
-    "cpu",
-    &unsupported,
-    &prefill_prefers_recurrent,
-    kDecodeTokens,
-    &entry<ForwardInputs, ForwardOutputs, &chunk_forward>,
-    &entry<ForwardInputs, ForwardOutputs, &recurrent_forward>,
-    &entry<BackwardInputs, BackwardOutputs, &chunk_backward>,
-    &entry<BackwardInputs, BackwardOutputs, &recurrent_backward>,
-    &entry<DecodeInputs, DecodeOutputs, &decode>,
+    "cpu",           &unsupported,        &prefill_prefers_recurrent,
+    kDecodeTokens,   &chunk_forward,      &recurrent_forward,
+    &chunk_backward, &recurrent_backward, &decode,
 };
 
 }  // namespace

@@ -27,15 +27,22 @@ void convert_row_for_testing(const float* x, int64_t n, uint16_t* bf16, float* w
 // Bits of the vectors the kernels use (hardware = false) or of the CPU's vectors, on that target.
 int simd_vector_bits(bool hardware);
 
-// Each runs on the call's Runner (threads and workspaces of an execution context).
+// The call's runner (threads and workspaces of its execution context), on the selected SIMD target.
+inline core::Runner runner_for(const RunOptions& opt) {
+  select_target();
+  return core::Runner(opt.context, opt.num_threads);
+}
+
+// The kernels, as the table holds them: each takes its runner (runner_for) and dispatches to its
+// SIMD target's implementation.
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                   core::Runner& run);
+                   const RunOptions& opt);
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                       core::Runner& run);
+                       const RunOptions& opt);
 void chunk_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                    core::Runner& run);
+                    const RunOptions& opt);
 void recurrent_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                        core::Runner& run);
-void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run);
+                        const RunOptions& opt);
+void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, const RunOptions& opt);
 
 }  // namespace kda::cpu

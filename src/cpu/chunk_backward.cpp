@@ -547,7 +547,8 @@ namespace kda::cpu {
 HWY_EXPORT(ChunkBackward);
 
 void chunk_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                    core::Runner& run) {
+                    const RunOptions& opt) {
+  core::Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(ChunkBackward)(plan, in, out, run);
 }
 }  // namespace kda::cpu

@@ -131,7 +131,8 @@ HWY_EXPORT(ConvertRow);
 HWY_EXPORT(VectorBits);
 
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                   core::Runner& run) {
+                   const RunOptions& opt) {
+  core::Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, run);
 }
 

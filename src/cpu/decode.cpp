@@ -521,7 +521,8 @@ HWY_AFTER_NAMESPACE();
 namespace kda::cpu {
 HWY_EXPORT(Decode);
 
-void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
+void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, const RunOptions& opt) {
+  core::Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(Decode)(plan, in, out, run);
 }
 }  // namespace kda::cpu

@@ -545,7 +545,8 @@ namespace kda::cpu {
 HWY_EXPORT(RecurrentBackward);
 
 void recurrent_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                        core::Runner& run) {
+                        const RunOptions& opt) {
+  core::Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(RecurrentBackward)(plan, in, out, run);
 }
 }  // namespace kda::cpu

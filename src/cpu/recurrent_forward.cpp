@@ -40,7 +40,8 @@ namespace kda::cpu {
 HWY_EXPORT(RecurrentForward);
 
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                       core::Runner& run) {
+                       const RunOptions& opt) {
+  core::Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(RecurrentForward)(plan, in, out, run);
 }
 }  // namespace kda::cpu
