@@ -5,8 +5,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
+#include <tuple>
 
 namespace kda::harness {
 
@@ -61,18 +64,189 @@ float bf16_value(uint16_t bits) {
 
 float round_bf16(float x) { return bf16_value(bf16_bits(x)); }
 
-// ---- test cases ------------------------------------------------------------------------------
+// ---- definitions (definitions.txt) --------------------------------------------------------------
 
-const char* regime_name(Regime r) {
-  switch (r) {
-    case Regime::mild: return "mild";
-    case Regime::strong: return "strong";
-    case Regime::zero: return "zero";
-    case Regime::spike: return "spike";
-    case Regime::unbounded: return "unbounded";
-  }
-  return "?";
+namespace {
+
+// The table, compiled in: definitions.txt is a C++ raw string literal around it.
+constexpr char kDefinitionsText[] =
+#include "definitions.txt"
+    ;
+
+struct Definitions {
+  std::vector<RegimeDefinition> regimes;
+  std::map<std::string, Distribution, std::less<>> inputs;
+  std::map<std::tuple<std::string, std::string, std::string>, double, std::less<>> tolerances;
+};
+
+// An error in the row `row` (or, empty, in the table as a whole).
+[[noreturn]] void definitions_error(const std::string& row, const std::string& what) {
+  throw std::runtime_error("harness/definitions.txt: " + what + (row.empty() ? "" : " (row: " + row + ")"));
 }
+
+double parse_number(const std::string& s, const std::string& line) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != s.size()) definitions_error(line, "expected a number, got '" + s + "'");
+  return x;
+}
+
+// `fields[at..]`: a distribution and its parameters (the rest of the row).
+Distribution parse_distribution(const std::vector<std::string>& fields, size_t at, const std::string& line) {
+  using K = Distribution::Kind;
+  static const std::map<std::string, std::pair<K, size_t>, std::less<>> kinds = {
+      {"const", {K::constant, 1}},  {"normal", {K::normal, 2}},
+      {"uniform", {K::uniform, 2}}, {"logsigmoid", {K::logsigmoid, 1}},
+      {"sigmoid", {K::sigmoid, 0}}, {"softplus_gate", {K::softplus_gate, 0}}};
+  if (at >= fields.size()) definitions_error(line, "a distribution is missing");
+  const auto it = kinds.find(fields[at]);
+  if (it == kinds.end()) definitions_error(line, "unknown distribution '" + fields[at] + "'");
+  const auto [kind, params] = it->second;
+  if (fields.size() - at - 1 != params)
+    definitions_error(line, fields[at] + " takes " + std::to_string(params) + " parameter(s)");
+  Distribution d;
+  d.kind = kind;
+  if (params > 0) d.a = parse_number(fields[at + 1], line);
+  if (params > 1) d.b = parse_number(fields[at + 2], line);
+  return d;
+}
+
+Definitions parse_definitions(std::string_view text) {
+  Definitions defs;
+  std::map<std::string, std::vector<std::string>> regime_fields;  // what each regime defined
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t end = std::min(text.find('\n', pos), text.size());
+    std::string line(text.substr(pos, end - pos));
+    pos = end + 1;
+    if (const size_t hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    std::istringstream in(line);
+    std::vector<std::string> f;
+    for (std::string w; in >> w;) f.push_back(w);
+    if (f.empty()) continue;
+    if (f[0] == "regime") {
+      if (f.size() < 4) definitions_error(line, "expected: regime NAME FIELD ...");
+      auto it = std::find_if(defs.regimes.begin(), defs.regimes.end(),
+                             [&](const RegimeDefinition& r) { return r.name == f[1]; });
+      if (it == defs.regimes.end()) {
+        defs.regimes.push_back(RegimeDefinition{});
+        defs.regimes.back().name = f[1];
+        it = defs.regimes.end() - 1;
+      }
+      RegimeDefinition& r = *it;
+      const std::string& field = f[2];
+      if (field == "decay")
+        r.decay = parse_distribution(f, 3, line);
+      else if (field == "raw")
+        r.raw = parse_distribution(f, 3, line);
+      else if (field == "A_log")
+        r.A_log = parse_distribution(f, 3, line);
+      else if (field == "dt_bias")
+        r.dt_bias = parse_distribution(f, 3, line);
+      else if (field == "spikes") {
+        if (f.size() != 7) definitions_error(line, "expected: regime NAME spikes COUNT P DECAY RAW");
+        r.spikes = {static_cast<int>(parse_number(f[3], line)), parse_number(f[4], line),
+                    parse_number(f[5], line), parse_number(f[6], line)};
+      } else {
+        definitions_error(line, "unknown regime field '" + field + "'");
+      }
+      regime_fields[r.name].push_back(field);
+      if (field == "raw" && r.raw.kind == Distribution::Kind::softplus_gate)
+        definitions_error(line, "softplus_gate is a decay, not a raw gate");
+    } else if (f[0] == "input") {
+      if (f.size() < 3) definitions_error(line, "expected: input NAME DISTRIBUTION ...");
+      defs.inputs[f[1]] = parse_distribution(f, 2, line);
+    } else if (f[0] == "tolerance") {
+      if (f.size() != 5) definitions_error(line, "expected: tolerance PATH STORED QUANTITIES LIMIT");
+      const double limit = parse_number(f[4], line);
+      std::istringstream quantities(f[3]);
+      for (std::string q; std::getline(quantities, q, ',');)
+        if (!defs.tolerances.emplace(std::make_tuple(f[1], f[2], q), limit).second)
+          definitions_error(line, "a second tolerance for " + f[1] + " " + f[2] + " " + q);
+    } else {
+      definitions_error(line, "unknown row kind '" + f[0] + "'");
+    }
+  }
+  for (const RegimeDefinition& r : defs.regimes)
+    for (const char* field : {"decay", "raw", "A_log", "dt_bias"}) {
+      const auto& have = regime_fields[r.name];
+      if (std::find(have.begin(), have.end(), field) == have.end())
+        definitions_error("", "regime " + r.name + " has no " + field);
+    }
+  return defs;
+}
+
+const Definitions& definitions() {
+  static const Definitions defs = parse_definitions(kDefinitionsText);
+  return defs;
+}
+
+}  // namespace
+
+double Distribution::draw(Rng& rng) const {
+  switch (kind) {
+    case Kind::constant: return a;
+    case Kind::normal: return a + b * rng.normal();
+    case Kind::uniform: return rng.uniform(a, b);
+    case Kind::logsigmoid: return a * logsigmoid(rng.normal());
+    case Kind::sigmoid: return sigmoid(rng.normal());
+    case Kind::softplus_gate: break;
+  }
+  throw std::logic_error("softplus_gate is computed from the raw gate draws, not drawn");
+}
+
+const std::vector<RegimeDefinition>& regime_definitions() { return definitions().regimes; }
+
+const RegimeDefinition& regime_definition(std::string_view name) {
+  for (const RegimeDefinition& r : definitions().regimes)
+    if (r.name == name) return r;
+  std::string known;
+  for (const RegimeDefinition& r : definitions().regimes) known += (known.empty() ? "" : ", ") + r.name;
+  throw std::invalid_argument("regime '" + std::string(name) +
+                              "' is not defined in harness/definitions.txt (" + known + ")");
+}
+
+const Distribution& input_distribution(std::string_view name) {
+  const auto& inputs = definitions().inputs;
+  const auto it = inputs.find(name);
+  if (it == inputs.end())
+    throw std::invalid_argument("input '" + std::string(name) +
+                                "' is not defined in harness/definitions.txt");
+  return it->second;
+}
+
+Regime Regime::named(std::string_view name) { return Regime(regime_definition(name).name); }
+
+std::vector<Regime> regimes() {
+  std::vector<Regime> r;
+  for (const RegimeDefinition& d : definitions().regimes) r.push_back(Regime::named(d.name));
+  return r;
+}
+
+double tolerance(std::string_view path, DType stored, std::string_view quantity) {
+  const char* dtype = stored == DType::bf16 ? "bf16" : "f32";
+  const auto& table = definitions().tolerances;
+  const auto it = table.find(std::make_tuple(std::string(path), std::string(dtype), std::string(quantity)));
+  if (it == table.end())
+    throw std::invalid_argument("no tolerance for " + std::string(path) + " " + dtype + " " +
+                                std::string(quantity) + " in harness/definitions.txt");
+  return it->second;
+}
+
+double forward_tolerance(bool stored_bf16) {
+  return tolerance("forward", stored_bf16 ? DType::bf16 : DType::f32, "o");
+}
+
+double backward_tolerance(bool stored_bf16, bool gate_gradient) {
+  return tolerance("backward", stored_bf16 ? DType::bf16 : DType::f32, gate_gradient ? "dg" : "dq");
+}
+
+// ---- test cases ------------------------------------------------------------------------------
 
 const char* kernel_name(Kernel k) { return k == Kernel::chunk ? "chunk" : "recurrent"; }
 
@@ -148,6 +322,153 @@ std::string Case::name() const {
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+
+std::string Case::spec() const {
+  std::ostringstream s;
+  s.precision(9);  // round-trips a float
+  if (lengths.empty()) {
+    s << "B=" << B << " T=" << T;
+  } else {
+    s << "lengths=";
+    for (size_t i = 0; i < lengths.size(); ++i) s << (i ? "," : "") << lengths[i];
+  }
+  s << " H=" << H << " HV=" << HV << " K=" << K << " V=" << V << " regime=" << regime.name();
+  if (dtype == DType::bf16) s << " bf16";
+  if (gate_dtype) s << " gate_dtype=" << dtype_str(*gate_dtype);
+  if (layout == StateLayout::v_first) s << " v_first";
+  if (initial_state) s << " h0";
+  if (qk_l2norm) s << " l2norm";
+  if (gate == GateMode::softplus) s << " softplus";
+  if (gate == GateMode::lower_bound) s << " lower_bound=" << lower_bound;
+  if (!dt_bias) s << " no_dt_bias";
+  if (beta == BetaMode::sigmoid) s << " beta=sigmoid";
+  if (beta == BetaMode::sigmoid_x2) s << " beta=sigmoid_x2";
+  if (scale) s << " scale=" << *scale;
+  if (strided) s << " strided";
+  s << " seed=" << seed;
+  return s.str();
+}
+
+namespace {
+
+[[noreturn]] void spec_error(std::string_view spec, const std::string& what) {
+  throw std::invalid_argument("case spec '" + std::string(spec) + "': " + what);
+}
+
+// One value out of `choices` (their names and values).
+template <typename T>
+T pick(std::string_view spec, const std::string& key, const std::string& value,
+       std::initializer_list<std::pair<const char*, T>> choices) {
+  std::string names;
+  for (const auto& [name, v] : choices) {
+    if (value == name) return v;
+    names += (names.empty() ? "" : " | ") + std::string(name);
+  }
+  spec_error(spec, key + "=" + value + ": expected " + names);
+}
+
+double spec_number(std::string_view spec, const std::string& key, const std::string& value) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != value.size()) spec_error(spec, key + "=" + value + ": expected a number");
+  return x;
+}
+
+int64_t spec_integer(std::string_view spec, const std::string& key, const std::string& value) {
+  const double x = spec_number(spec, key, value);
+  if (x != std::floor(x) || x < 0) spec_error(spec, key + "=" + value + ": expected a non-negative integer");
+  return static_cast<int64_t>(x);
+}
+
+}  // namespace
+
+Case parse_case(std::string_view spec) {
+  std::vector<std::string> none;
+  return parse_case(spec, {}, none);
+}
+
+Case parse_case(std::string_view spec, std::initializer_list<std::string_view> flags,
+                std::vector<std::string>& set) {
+  Case c;
+  set.clear();
+  std::istringstream in{std::string(spec)};
+  for (std::string field; in >> field;) {
+    const size_t eq = field.find('=');
+    const std::string key = field.substr(0, eq), value = eq == std::string::npos ? "" : field.substr(eq + 1);
+    const bool flag = eq == std::string::npos;
+    const auto need_value = [&] {
+      if (flag || value.empty()) spec_error(spec, key + " needs a value (" + key + "=...)");
+    };
+    if (key == "h0" && flag)
+      c.initial_state = true;
+    else if (key == "l2norm" && flag)
+      c.qk_l2norm = true;
+    else if (key == "no_dt_bias" && flag)
+      c.dt_bias = false;
+    else if (key == "strided" && flag)
+      c.strided = true;
+    else if (key == "B" || key == "T" || key == "H" || key == "HV" || key == "K" || key == "V" ||
+             key == "seed") {
+      need_value();
+      const int64_t x = spec_integer(spec, key, value);
+      if (key == "B") c.B = x;
+      if (key == "T") c.T = x;
+      if (key == "H") c.H = x;
+      if (key == "HV") c.HV = x;
+      if (key == "K") c.K = x;
+      if (key == "V") c.V = x;
+      if (key == "seed") c.seed = static_cast<uint64_t>(x);
+    } else if (key == "lengths") {
+      need_value();
+      c.lengths.clear();
+      std::istringstream list(value);
+      for (std::string len; std::getline(list, len, ',');) c.lengths.push_back(spec_integer(spec, key, len));
+    } else if (key == "regime") {
+      need_value();
+      try {
+        c.regime = Regime::named(value);
+      } catch (const std::invalid_argument& e) {
+        spec_error(spec, e.what());
+      }
+    } else if (key == "bf16" && flag) {
+      c.dtype = DType::bf16;
+    } else if (key == "gate_dtype") {
+      need_value();
+      c.gate_dtype = pick<DType>(spec, key, value, {{"f32", DType::f32}, {"bf16", DType::bf16}});
+    } else if (key == "v_first" && flag) {
+      c.layout = StateLayout::v_first;
+    } else if (key == "softplus" && flag) {
+      c.gate = GateMode::softplus;
+    } else if (key == "lower_bound") {
+      c.gate = GateMode::lower_bound;
+      if (!flag) c.lower_bound = static_cast<float>(spec_number(spec, key, value));
+    } else if (key == "beta") {
+      need_value();
+      c.beta = pick<BetaMode>(
+          spec, key, value,
+          {{"given", BetaMode::given}, {"sigmoid", BetaMode::sigmoid}, {"sigmoid_x2", BetaMode::sigmoid_x2}});
+    } else if (key == "scale") {
+      need_value();
+      c.scale = static_cast<float>(spec_number(spec, key, value));
+    } else if (flag && std::find(flags.begin(), flags.end(), key) != flags.end()) {
+      set.push_back(key);
+    } else {
+      spec_error(spec, "unknown field '" + field + "'");
+    }
+  }
+  return c;
+}
+
+std::vector<Case> parse_cases(std::initializer_list<std::string_view> specs) {
+  std::vector<Case> cases;
+  for (std::string_view s : specs) cases.push_back(parse_case(s));
+  return cases;
+}
 
 // ---- tensors ---------------------------------------------------------------------------------
 
@@ -271,69 +592,49 @@ int64_t Data::num_sequences() const {
 
 namespace {
 
-// Raw gate input x and, for fused gates, A_log / dt_bias, per regime. For GateMode::log_decay the
-// tensor receives the log decay itself (for Regime::unbounded: the decay Kimi's gate would produce).
+// The gate tensor and, for fused gates, A_log / dt_bias, as the case's regime draws them
+// (definitions.txt): with GateMode::log_decay g receives the log decay itself (for a softplus_gate
+// decay: the decay the softplus gate makes of the raw, A_log and dt_bias draws).
 void make_gates(const Case& c, Rng& rng, Data& d) {
+  const RegimeDefinition& r = c.regime.definition();
   const int64_t B = d.q.B(), T = d.q.T(), HV = c.HV, K = c.K;
   const bool fused = c.gate != GateMode::log_decay;
-  const bool want_A = fused || c.regime == Regime::unbounded;
+  const bool computed_decay = r.decay.kind == Distribution::Kind::softplus_gate;
   std::vector<double> A(static_cast<size_t>(HV), 0.0), bias(static_cast<size_t>(HV * K), 0.0);
-  if (want_A) {
-    for (int64_t hv = 0; hv < HV; ++hv) {
-      double a;
-      if (c.regime == Regime::unbounded)
-        a = rng.uniform(3.0, 5.0);
-      else if (c.regime == Regime::strong)
-        a = rng.uniform(0.5, 1.5);
-      else
-        a = rng.uniform(-1.5, 0.0);
-      A[hv] = static_cast<float>(a);
-    }
-    if (c.dt_bias && c.regime != Regime::zero)
-      for (auto& x : bias) x = static_cast<float>(0.5 * rng.normal());
+  if (fused || computed_decay) {
+    for (double& a : A) a = static_cast<float>(r.A_log.draw(rng));
+    if (c.dt_bias)
+      for (double& x : bias) x = static_cast<float>(r.dt_bias.draw(rng));
   }
   if (fused) {
     d.A_log.assign(A.begin(), A.end());
     if (c.dt_bias) d.dt_bias.assign(bias.begin(), bias.end());
   }
 
-  // Spikes: a few single tokens per (b, hv), each in some channels (one of them in all channels).
+  // Spikes: a few single tokens per (b, hv), each in some channels (the first in all channels).
   std::vector<char> spike(static_cast<size_t>(B * T * HV * K), 0);
-  if (c.regime == Regime::spike && T > 0) {
+  if (T > 0)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t hv = 0; hv < HV; ++hv)
-        for (int s = 0; s < 3; ++s) {
+        for (int s = 0; s < r.spikes.count; ++s) {
           const int64_t t = rng.below(T);
           for (int64_t dd = 0; dd < K; ++dd)
-            if (s == 0 || rng.chance(0.25)) spike[((b * T + t) * HV + hv) * K + dd] = 1;
+            if (s == 0 || rng.chance(r.spikes.channel_p)) spike[((b * T + t) * HV + hv) * K + dd] = 1;
         }
-  }
 
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t hv = 0; hv < HV; ++hv)
         for (int64_t dd = 0; dd < K; ++dd) {
-          const bool sp = spike[((b * T + t) * HV + hv) * K + dd] != 0;
-          double x = 0.0;
-          if (!fused) {
-            switch (c.regime) {
-              case Regime::mild: x = logsigmoid(rng.normal()); break;
-              case Regime::strong: x = 5.0 * logsigmoid(rng.normal()); break;
-              case Regime::zero: x = 0.0; break;
-              case Regime::spike: x = sp ? -1000.0 : logsigmoid(rng.normal()); break;
-              case Regime::unbounded:
-                x = -std::exp(A[hv]) * softplus(6.0 * rng.normal() + bias[hv * K + dd]);
-                break;
-            }
-          } else {
-            switch (c.regime) {
-              case Regime::mild: x = rng.normal(); break;
-              case Regime::strong: x = 2.0 * rng.normal(); break;
-              case Regime::zero: x = -60.0; break;  // softplus / sigmoid of it: ~1e-26
-              case Regime::spike: x = sp ? 1000.0 : rng.normal(); break;
-              case Regime::unbounded: x = 6.0 * rng.normal(); break;
-            }
-          }
+          double x;
+          if (spike[((b * T + t) * HV + hv) * K + dd] != 0)
+            x = fused ? r.spikes.raw : r.spikes.decay;
+          else if (fused)
+            x = r.raw.draw(rng);
+          else if (computed_decay)
+            x = -std::exp(A[hv]) * softplus(r.raw.draw(rng) + bias[hv * K + dd]);
+          else
+            x = r.decay.draw(rng);
           d.g.set(b, t, hv, dd, x);
         }
 }
@@ -357,6 +658,10 @@ void make_data(const Case& c, Data& d) {
   d.g = Tensor(gdt, B, T, c.HV, c.K, c.strided);
   d.beta = Tensor(gdt, B, T, c.HV, 1, c.strided);
 
+  const Distribution &dq = input_distribution("q"), &dk = input_distribution("k");
+  const Distribution& row_norm = input_distribution("qk_row_norm");
+  const Distribution& dv = input_distribution("v");
+  const Distribution& dbeta = input_distribution(c.beta == BetaMode::given ? "beta" : "beta_logit");
   std::vector<double> row(static_cast<size_t>(c.K));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
@@ -365,20 +670,19 @@ void make_data(const Case& c, Data& d) {
           Tensor& x = which == 0 ? d.q : d.k;
           double ss = 0.0;
           for (auto& e : row) {
-            e = rng.normal();
+            e = (which == 0 ? dq : dk).draw(rng);
             ss += e * e;
           }
           // Raw rows of varied norm when the kernel normalises; else unit keys (and raw queries).
-          const double f = c.qk_l2norm ? rng.uniform(0.3, 3.0) : (which == 1 ? 1.0 / std::sqrt(ss) : 1.0);
+          const double f = c.qk_l2norm ? row_norm.draw(rng) : (which == 1 ? 1.0 / std::sqrt(ss) : 1.0);
           for (int64_t i = 0; i < c.K; ++i) x.set(b, t, h, i, row[i] * f);
         }
       }
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t hv = 0; hv < c.HV; ++hv) {
-        for (int64_t i = 0; i < c.V; ++i) d.v.set(b, t, hv, i, rng.normal());
-        const double z = rng.normal();
-        d.beta.set(b, t, hv, 0, c.beta == BetaMode::given ? sigmoid(z) : 1.5 * z);
+        for (int64_t i = 0; i < c.V; ++i) d.v.set(b, t, hv, i, dv.draw(rng));
+        d.beta.set(b, t, hv, 0, dbeta.draw(rng));
       }
   d.A_log.clear();
   d.dt_bias.clear();
@@ -386,7 +690,8 @@ void make_data(const Case& c, Data& d) {
   d.h0.clear();
   if (c.initial_state) {
     d.h0.resize(static_cast<size_t>(d.state_elems()));
-    for (auto& x : d.h0) x = static_cast<float>(0.5 * rng.normal());
+    const Distribution& h0 = input_distribution("initial_state");
+    for (auto& x : d.h0) x = static_cast<float>(h0.draw(rng));
   }
 }
 
@@ -444,15 +749,16 @@ void make_cotangents(const Data& d, bool with_final_state, uint64_t seed, Cotang
   const Case& c = d.c;
   const Problem p = d.problem();
   Rng rng(seed * 0x9e3779b97f4a7c15ull + 5);
+  const Distribution &d_o = input_distribution("d_o"), &d_final = input_distribution("d_final_state");
   ct.d_o = Tensor(c.dtype, p.batch, p.seq_len, c.HV, c.V, c.strided);
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t t = 0; t < p.seq_len; ++t)
       for (int64_t hv = 0; hv < c.HV; ++hv)
-        for (int64_t i = 0; i < c.V; ++i) ct.d_o.set(b, t, hv, i, rng.normal());
+        for (int64_t i = 0; i < c.V; ++i) ct.d_o.set(b, t, hv, i, d_o.draw(rng));
   ct.d_final_state.clear();
   if (with_final_state) {
     ct.d_final_state.resize(static_cast<size_t>(d.state_elems()));
-    for (auto& x : ct.d_final_state) x = static_cast<float>(rng.normal());
+    for (auto& x : ct.d_final_state) x = static_cast<float>(d_final.draw(rng));
   }
 }
 
@@ -698,7 +1004,7 @@ double rms_error_against(const std::vector<double>& ref, const std::vector<doubl
 }  // namespace
 
 double gradient_tolerance(Grad g, bool stored_bf16) {
-  return backward_tolerance(stored_bf16, g == kDg || g == kDbeta);
+  return tolerance("backward", stored_bf16 ? DType::bf16 : DType::f32, kGradNames[g]);
 }
 
 std::vector<GradientError> gradient_errors(const Data& d, const reference::Gradients& ref,

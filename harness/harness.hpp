@@ -1,13 +1,17 @@
 // The harness shared by the test suite (tests/), `kda check` and `kda bench` (tools/) and the benchmark
-// (bench/): a deterministic RNG, a description of one KDA case, input generation per gate regime (so a
-// regime name means one thing everywhere), strided tensors in f32 / bf16, runners for the kernels and
-// the oracle, and the error measures and tolerances (tolerances.hpp) a result is judged by.
+// (bench/): a deterministic RNG, a description of one KDA case (and its one-line spec), input
+// generation per gate regime, strided tensors in f32 / bf16, runners for the kernels and the oracle,
+// and the error measures and tolerances (tolerances.hpp) a result is judged by. The regimes, input
+// distributions and tolerances are those of definitions.txt, which tests/python/harness.py reads too:
+// a regime name and a limit mean one thing in every suite.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -42,15 +46,55 @@ float bf16_value(uint16_t bits);
 
 // ---- test cases ------------------------------------------------------------------------------
 
-// How the gate values are generated.
-enum class Regime {
-  mild,       // g = logsigmoid(N(0,1)): decays around 0.5..1
-  strong,     // g = 5 * logsigmoid(N(0,1)): many strong decays
-  zero,       // g = 0: no decay at all
-  spike,      // mild, plus g = -1000 on a few single tokens in some channels
-  unbounded,  // Kimi-Linear's gate: A_log ~ U(3, 5), raw g ~ 6 N(0,1): log decays down to -1e2..-1e3
+// ---- definitions (definitions.txt) --------------------------------------------------------------
+
+// A distribution of definitions.txt: one value per draw.
+struct Distribution {
+  enum class Kind { constant, normal, uniform, logsigmoid, sigmoid, softplus_gate };
+  Kind kind = Kind::constant;
+  double a = 0, b = 0;  // const X; normal MEAN STD; uniform LO HI; logsigmoid SCALE
+  bool draws() const { return kind != Kind::constant; }
+  double draw(Rng& rng) const;  // not for softplus_gate, which is computed from other draws
 };
-const char* regime_name(Regime r);
+
+// Spikes of a regime: `count` tokens per batch row and value head, the first in every key channel, the
+// others in each channel with probability `channel_p`; there g is `decay` (log decay) or `raw`.
+struct Spikes {
+  int count = 0;
+  double channel_p = 0, decay = 0, raw = 0;
+};
+
+struct RegimeDefinition {
+  std::string name;
+  Distribution decay, raw, A_log, dt_bias;
+  Spikes spikes;
+};
+
+// The regimes (in the file's order), input distributions and tolerances of definitions.txt, parsed
+// once. Every lookup of a name the file lacks throws an error naming it.
+const std::vector<RegimeDefinition>& regime_definitions();
+const RegimeDefinition& regime_definition(std::string_view name);
+const Distribution& input_distribution(std::string_view name);
+
+// A gate regime: a name of definitions.txt (what it draws is defined there). The constants name the
+// five regimes the suites use by name; Regime::named() validates any other.
+class Regime {
+ public:
+  static const Regime mild, strong, zero, spike, unbounded;
+  static Regime named(std::string_view name);  // throws if definitions.txt has no such regime
+  constexpr std::string_view name() const { return name_; }
+  const RegimeDefinition& definition() const { return regime_definition(name_); }
+  friend constexpr bool operator==(Regime a, Regime b) { return a.name_ == b.name_; }
+
+ private:
+  constexpr explicit Regime(std::string_view name) : name_(name) {}
+  std::string_view name_;  // a literal or a name held by the parsed definitions: never dangles
+};
+inline constexpr Regime Regime::mild{"mild"}, Regime::strong{"strong"}, Regime::zero{"zero"},
+    Regime::spike{"spike"}, Regime::unbounded{"unbounded"};
+inline const char* regime_name(Regime r) { return r.name().data(); }  // NUL-terminated (see name_)
+// Every regime of definitions.txt, in its order.
+std::vector<Regime> regimes();
 
 enum class Kernel { chunk, recurrent };
 const char* kernel_name(Kernel k);
@@ -77,9 +121,26 @@ struct Case {
   int64_t total_tokens() const;  // T, or the sum of lengths
   std::string name() const;      // readable, [A-Za-z0-9_] only (usable as a gtest parameter name)
   std::string shape() const;     // "B=1 T=300 H=HV=2 K=V=128", for tables
+  std::string spec() const;      // the spec parse_case() reads back into this case
 };
 // gtest prints a Case parameter by its name.
 void PrintTo(const Case& c, std::ostream* os);
+
+// A case from a one-line spec: blank-separated fields over Case's defaults (B=1 T=16 H=1 HV=1 K=16 V=16,
+// regime mild, f32, k_first, log-decay gate, dt_bias, beta given, seed 1), e.g.
+// "lengths=5,64,70 H=2 HV=8 K=60 V=100 regime=spike bf16 v_first h0 seed=3".
+//   B, T, H, HV, K, V, seed: integers; lengths=A,B,...: a packed varlen batch of those sequences;
+//   regime=NAME: a regime of definitions.txt; bf16: bf16 activations; gate_dtype=f32|bf16: g and beta's;
+//   v_first: the V-first state layout; h0: an initial state; l2norm: the in-kernel q/k L2 norm;
+//   softplus, lower_bound or lower_bound=X (default -5): the fused gate; no_dt_bias: without dt_bias;
+//   beta=sigmoid|sigmoid_x2: beta given as logits; scale=X; strided: padded, permuted views.
+// A field it does not know is an error naming it.
+Case parse_case(std::string_view spec);
+std::vector<Case> parse_cases(std::initializer_list<std::string_view> specs);
+// The same with a suite's own flags (such as the backward suite's no_dfin): `flags` lists the ones the
+// suite knows; returns those the spec sets.
+Case parse_case(std::string_view spec, std::initializer_list<std::string_view> flags,
+                std::vector<std::string>& set);
 
 // ---- tensors ---------------------------------------------------------------------------------
 
@@ -234,6 +295,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b);  // elements only
 // Tolerances of kernel outputs against the oracle (relative RMS), by the dtype a tensor is stored in
 // (tolerances.hpp).
 inline double forward_tolerance(DType stored) { return forward_tolerance(stored == DType::bf16); }
+double tolerance(std::string_view path, DType stored, std::string_view quantity);
 
 // ---- judging a run against the oracle ---------------------------------------------------------
 
