@@ -5,10 +5,10 @@
 // final-state gradient. The chunked backward runs twice per case, once recomputing the states
 // entering every chunk and once given them (chunk_forward's chunk_states); both must give the same
 // bits. Plus one long sequence and determinism over thread counts.
-// Tolerances (relative RMS against the oracle, per gradient; harness/tolerances.hpp): fp32 1e-5; bf16
-// 4e-3 for dq, dk, dv, 1e-2 for dg and dbeta (a gradient returned in bf16 is measured
-// after its rounding; d_initial_state, dA_log and ddt_bias, stored in fp32, get the fp32 tolerance
-// in every case, bf16 inputs included: the oracle runs on the same rounded inputs).
+// Tolerances (relative RMS against the oracle, per gradient): harness/definitions.txt's backward rows
+// (a gradient returned in bf16 is measured after its rounding; d_initial_state, dA_log and ddt_bias,
+// stored in fp32, get the fp32 tolerance in every case, bf16 inputs included: the oracle runs on the
+// same rounded inputs).
 // Set KDA_TEST_VERBOSE=1 to print every case's errors and, at the end, the worst error per gradient.
 #include <gtest/gtest.h>
 
@@ -26,11 +26,6 @@
 
 namespace kda::test {
 namespace {
-
-bool verbose() {
-  static const bool v = std::getenv("KDA_TEST_VERBOSE") != nullptr;
-  return v;
-}
 
 // ---- the worst errors (gradients, measures and tolerances: harness/harness.hpp) ------------------
 
@@ -66,6 +61,19 @@ struct BwdCase {
 };
 // gtest prints a BwdCase parameter by its name.
 void PrintTo(const BwdCase& bc, std::ostream* os) { *os << bc.name(); }
+
+// A backward case from a one-line spec: parse_case()'s fields and no_dfin (no final-state gradient).
+BwdCase bwd(std::string_view spec) {
+  std::vector<std::string> flags;
+  BwdCase bc{parse_case(spec, {"no_dfin"}, flags)};
+  bc.d_final_state = flags.empty();
+  return bc;
+}
+std::vector<BwdCase> bwd_cases(std::initializer_list<std::string_view> specs) {
+  std::vector<BwdCase> cases;
+  for (std::string_view s : specs) cases.push_back(bwd(s));
+  return cases;
+}
 
 // Checks every gradient of one kernel run against the oracle: finite, within tolerance, nothing
 // written outside the rows of a strided output.
@@ -148,14 +156,7 @@ TEST_P(BackwardParity, BothKernels) { check_both_kernels(GetParam()); }
 // -1000 spikes on consecutive tokens, with padded key lanes (K = 40); the recurrent backward's
 // checkpoints come from its own forward pass and from the chunked forward's states.
 TEST(BackwardGatePatterns, PlacedDecays) {
-  BwdCase bc;
-  bc.c.T = 150;
-  bc.c.H = 2;
-  bc.c.HV = 4;
-  bc.c.K = 40;
-  bc.c.V = 24;
-  bc.c.initial_state = true;
-  bc.c.seed = 620;
+  const BwdCase bc = bwd("T=150 H=2 HV=4 K=40 V=24 h0 seed=620");
   check_both_kernels(bc, [](Data& d) {
     for (int64_t t = 0; t < d.c.T; ++t) {
       d.g.set(0, t, 0, 3, -15.0);
@@ -164,8 +165,6 @@ TEST(BackwardGatePatterns, PlacedDecays) {
     }
   });
 }
-
-std::string case_name(const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name(); }
 
 // ---- case grids ----------------------------------------------------------------------------------
 
@@ -252,315 +251,77 @@ INSTANTIATE_TEST_SUITE_P(States, BackwardParity, ::testing::ValuesIn(sized_for_t
                          case_name);
 
 // The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
-std::vector<BwdCase> lower_bound_cases() {
-  std::vector<BwdCase> cases;
-  const Regime regimes[] = {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded};
-  const float bounds[] = {-5.0f, -1.0f, -20.0f, -5.0f, -10.0f};
-  for (int i = 0; i < 5; ++i) {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.regime = regimes[i];
-    c.gate = GateMode::lower_bound;
-    c.lower_bound = bounds[i];
-    c.T = 97 + 13 * i;
-    c.H = 1;
-    c.HV = 2;
-    c.K = i % 2 ? 60 : 128;
-    c.V = i % 2 ? 100 : 16;
-    c.initial_state = i % 2 == 0;
-    c.layout = i % 3 ? StateLayout::k_first : StateLayout::v_first;
-    c.dt_bias = i != 2;
-    c.qk_l2norm = i % 2 == 1;
-    c.beta = static_cast<BetaMode>(i % 3);
-    c.dtype = i == 4 ? DType::bf16 : DType::f32;
-    c.seed = 1400 + static_cast<uint64_t>(i);
-    bc.d_final_state = i != 1;
-    cases.push_back(bc);
-  }
-  return cases;
-}
+INSTANTIATE_TEST_SUITE_P(
+    LowerBoundGate, BackwardParity,
+    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+        "T=97 HV=2 K=128 V=16 lower_bound v_first h0 seed=1400",
+        "T=110 HV=2 K=60 V=100 regime=strong lower_bound=-1 l2norm beta=sigmoid seed=1401 no_dfin",
+        "T=123 HV=2 K=128 V=16 regime=zero lower_bound=-20 no_dt_bias h0 beta=sigmoid_x2 seed=1402",
+        "T=136 HV=2 K=60 V=100 regime=spike lower_bound v_first l2norm seed=1403",
+        "T=149 HV=2 K=128 V=16 regime=unbounded lower_bound=-10 h0 beta=sigmoid bf16 seed=1404",
+    }))),
+    case_name);
 
-INSTANTIATE_TEST_SUITE_P(LowerBoundGate, BackwardParity,
-                         ::testing::ValuesIn(sized_for_this_run(lower_bound_cases())), case_name);
+// Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64; bf16
+// with fused gates, GVA and an empty sequence first.
+INSTANTIATE_TEST_SUITE_P(
+    Varlen, BackwardParity,
+    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+        "lengths=1,63,130,64,17 H=2 HV=4 K=60 V=100 h0 seed=1500",
+        "lengths=1,63,130,64,17 HV=1 K=128 V=128 regime=spike v_first h0 seed=1501 no_dfin",
+        "lengths=1,63,0,130,64,17,0 HV=2 K=100 V=60 regime=unbounded softplus l2norm beta=sigmoid v_first h0 "
+        "seed=1502",
+        "lengths=200,1,65,128 H=2 HV=2 K=16 V=128 regime=strong bf16 beta=sigmoid_x2 h0 seed=1503",
+        "lengths=0,16,15,1,33 HV=4 K=128 V=16 regime=zero lower_bound seed=1504 no_dfin",
+        "lengths=0,129,1,64,50 H=2 HV=4 K=16 V=60 regime=unbounded softplus beta=sigmoid bf16 h0 seed=1505",
+    }))),
+    case_name);
 
-// Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64.
-std::vector<BwdCase> varlen_cases() {
-  std::vector<BwdCase> cases;
-  {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {1, 63, 130, 64, 17};
-    c.H = 2;
-    c.HV = 4;
-    c.K = 60;
-    c.V = 100;
-    c.initial_state = true;
-    c.seed = 1500;
-    cases.push_back(bc);
-    c.layout = StateLayout::v_first;
-    c.regime = Regime::spike;
-    c.K = 128;
-    c.V = 128;
-    c.H = 1;
-    c.HV = 1;
-    c.seed = 1501;
-    bc.d_final_state = false;
-    cases.push_back(bc);
-  }
-  {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {1, 63, 0, 130, 64, 17, 0};
-    c.H = 1;
-    c.HV = 2;
-    c.K = 100;
-    c.V = 60;
-    c.regime = Regime::unbounded;
-    c.gate = GateMode::softplus;
-    c.qk_l2norm = true;
-    c.beta = BetaMode::sigmoid;
-    c.initial_state = true;
-    c.layout = StateLayout::v_first;
-    c.seed = 1502;
-    cases.push_back(bc);
-  }
-  {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {200, 1, 65, 128};
-    c.H = 2;
-    c.HV = 2;
-    c.K = 16;
-    c.V = 128;
-    c.regime = Regime::strong;
-    c.dtype = DType::bf16;
-    c.initial_state = true;
-    c.beta = BetaMode::sigmoid_x2;
-    c.seed = 1503;
-    cases.push_back(bc);
-  }
-  {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {0, 16, 15, 1, 33};
-    c.H = 1;
-    c.HV = 4;
-    c.K = 128;
-    c.V = 16;
-    c.regime = Regime::zero;
-    c.gate = GateMode::lower_bound;
-    c.initial_state = false;
-    c.seed = 1504;
-    bc.d_final_state = false;
-    cases.push_back(bc);
-  }
-  {  // bf16 with fused gates, GVA and an empty sequence first
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {0, 129, 1, 64, 50};
-    c.H = 2;
-    c.HV = 4;
-    c.K = 16;
-    c.V = 60;
-    c.regime = Regime::unbounded;
-    c.gate = GateMode::softplus;
-    c.beta = BetaMode::sigmoid;
-    c.dtype = DType::bf16;
-    c.initial_state = true;
-    c.seed = 1505;
-    cases.push_back(bc);
-  }
-  return cases;
-}
-
-INSTANTIATE_TEST_SUITE_P(Varlen, BackwardParity, ::testing::ValuesIn(sized_for_this_run(varlen_cases())),
-                         case_name);
-
-// Non-contiguous (permuted, padded) inputs and gradient outputs, mixed dtypes, every fused option at
-// once, no tokens at all.
-std::vector<BwdCase> layout_cases() {
-  std::vector<BwdCase> cases;
-  {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {70, 1, 64, 30};
-    c.H = 2;
-    c.HV = 4;
-    c.K = 60;
-    c.V = 100;
-    c.strided = true;
-    c.initial_state = true;
-    c.qk_l2norm = true;
-    c.gate = GateMode::softplus;
-    c.beta = BetaMode::sigmoid;
-    c.seed = 1600;
-    cases.push_back(bc);
-  }
-  {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.B = 3;
-    c.T = 81;
-    c.H = 1;
-    c.HV = 2;
-    c.K = 128;
-    c.V = 60;
-    c.strided = true;
-    c.dtype = DType::bf16;
-    c.layout = StateLayout::v_first;
-    c.regime = Regime::spike;
-    c.gate = GateMode::lower_bound;
-    c.beta = BetaMode::sigmoid_x2;
-    c.initial_state = true;
-    c.seed = 1601;
-    cases.push_back(bc);
-  }
-  {  // bf16 activations with fp32 gates and betas (what fla passes)
-    BwdCase bc;
-    Case& c = bc.c;
-    c.B = 2;
-    c.T = 100;
-    c.H = 2;
-    c.HV = 4;
-    c.K = 100;
-    c.V = 100;
-    c.dtype = DType::bf16;
-    c.gate_dtype = DType::f32;
-    c.regime = Regime::strong;
-    c.initial_state = true;
-    c.seed = 1602;
-    cases.push_back(bc);
-    c.dtype = DType::f32;  // and the reverse
-    c.gate_dtype = DType::bf16;
-    c.seed = 1603;
-    bc.d_final_state = false;
-    cases.push_back(bc);
-  }
-  {  // every fused option at once, Kimi's shape per head
-    BwdCase bc;
-    Case& c = bc.c;
-    c.B = 1;
-    c.T = 130;
-    c.H = 2;
-    c.HV = 4;
-    c.K = 128;
-    c.V = 128;
-    c.regime = Regime::unbounded;
-    c.gate = GateMode::softplus;
-    c.qk_l2norm = true;
-    c.beta = BetaMode::sigmoid_x2;
-    c.initial_state = true;
-    c.layout = StateLayout::v_first;
-    c.scale = 0.1f;
-    c.seed = 1604;
-    cases.push_back(bc);
-  }
-  {  // no tokens at all: d_initial_state is d_final_state, every other gradient is empty
-    BwdCase bc;
-    Case& c = bc.c;
-    c.B = 2;
-    c.T = 0;
-    c.H = 1;
-    c.HV = 2;
-    c.K = 16;
-    c.V = 60;
-    c.initial_state = true;
-    c.gate = GateMode::softplus;
-    c.seed = 1605;
-    cases.push_back(bc);
-  }
-  return cases;
-}
-
-INSTANTIATE_TEST_SUITE_P(Layouts, BackwardParity, ::testing::ValuesIn(sized_for_this_run(layout_cases())),
-                         case_name);
+// Non-contiguous (permuted, padded) inputs and gradient outputs, mixed dtypes (bf16 activations with
+// fp32 gates and betas, what fla passes, and the reverse), every fused option at once with Kimi's
+// shape per head, no tokens at all (d_initial_state is d_final_state, every other gradient is empty).
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, BackwardParity,
+    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+        "lengths=70,1,64,30 H=2 HV=4 K=60 V=100 strided softplus l2norm beta=sigmoid h0 seed=1600",
+        "B=3 T=81 HV=2 K=128 V=60 strided regime=spike lower_bound beta=sigmoid_x2 bf16 v_first h0 seed=1601",
+        "B=2 T=100 H=2 HV=4 K=100 V=100 regime=strong bf16 gate_dtype=f32 h0 seed=1602",
+        "B=2 T=100 H=2 HV=4 K=100 V=100 regime=strong gate_dtype=bf16 h0 seed=1603 no_dfin",
+        "T=130 H=2 HV=4 K=128 V=128 regime=unbounded softplus l2norm beta=sigmoid_x2 v_first h0 scale=0.1 "
+        "seed=1604",
+        "B=2 T=0 HV=2 K=16 V=60 softplus h0 seed=1605",
+    }))),
+    case_name);
 
 // Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
-std::vector<BwdCase> head_dim_cases() {
-  const int64_t kv[][2] = {{1, 1}, {256, 256}, {7, 33}, {256, 3}, {3, 256}, {129, 127}};
-  std::vector<BwdCase> cases;
-  for (int i = 0; i < 6; ++i) {
-    BwdCase bc;
-    Case& c = bc.c;
-    c.K = kv[i][0];
-    c.V = kv[i][1];
-    c.B = 1 + i % 2;
-    c.T = 70 + 11 * i;
-    c.HV = 1 + i % 2;
-    c.regime = i % 2 ? Regime::strong : Regime::mild;
-    c.initial_state = i != 2;
-    c.layout = i % 3 == 1 ? StateLayout::v_first : StateLayout::k_first;
-    c.qk_l2norm = i >= 3;
-    c.gate = i == 5 ? GateMode::softplus : GateMode::log_decay;
-    c.dtype = i == 4 ? DType::bf16 : DType::f32;
-    c.seed = 1800 + static_cast<uint64_t>(i);
-    bc.d_final_state = i != 3;
-    cases.push_back(bc);
-  }
-  return cases;
-}
-
-INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity, ::testing::ValuesIn(sized_for_this_run(head_dim_cases())),
+INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity,
+                         ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+                             "T=70 HV=1 K=1 V=1 h0 seed=1800",
+                             "B=2 T=81 HV=2 K=256 V=256 regime=strong v_first h0 seed=1801",
+                             "T=92 HV=1 K=7 V=33 seed=1802",
+                             "B=2 T=103 HV=2 K=256 V=3 regime=strong l2norm h0 seed=1803 no_dfin",
+                             "T=114 HV=1 K=3 V=256 l2norm bf16 v_first h0 seed=1804",
+                             "B=2 T=125 HV=2 K=129 V=127 regime=strong softplus l2norm h0 seed=1805",
+                         }))),
                          case_name);
 
 // ---- long sequence, determinism -----------------------------------------------------------------
 
 // One long sequence under Kimi's unbounded gate: error must not grow along it.
 TEST(BackwardLong, T4096OneHead) {
-  BwdCase bc;
-  Case& c = bc.c;
-  c.T = 4096;
-  c.K = 128;
-  c.V = 128;
-  c.regime = Regime::unbounded;
-  c.gate = GateMode::softplus;
-  c.initial_state = true;
-  c.seed = 1700;
-  check_both_kernels(bc);
+  check_both_kernels(bwd("T=4096 K=128 V=128 regime=unbounded softplus h0 seed=1700"));
 }
 
 // Bitwise identical gradients whatever the thread count, for both kernels (and both ways of getting
 // the chunk states): GVA group sums, varlen batches, the dA_log / ddt_bias reductions over tokens.
-std::vector<BwdCase> determinism_cases() {
-  std::vector<BwdCase> cases;
-  {  // varlen, GVA over two key heads, softplus gate with bias, everything fused
-    BwdCase bc;
-    Case& c = bc.c;
-    c.lengths = {150, 1, 129, 0, 77};
-    c.H = 2;
-    c.HV = 4;
-    c.K = 60;
-    c.V = 100;
-    c.initial_state = true;
-    c.gate = GateMode::softplus;
-    c.qk_l2norm = true;
-    c.beta = BetaMode::sigmoid;
-    c.seed = 1900;
-    cases.push_back(bc);
-  }
-  {  // batch, GVA 4:1, lower-bound gate, bf16, v_first
-    BwdCase bc;
-    Case& c = bc.c;
-    c.B = 3;
-    c.T = 150;
-    c.H = 1;
-    c.HV = 4;
-    c.K = 128;
-    c.V = 16;
-    c.regime = Regime::spike;
-    c.gate = GateMode::lower_bound;
-    c.beta = BetaMode::sigmoid_x2;
-    c.dtype = DType::bf16;
-    c.layout = StateLayout::v_first;
-    c.seed = 1901;
-    bc.d_final_state = false;
-    cases.push_back(bc);
-  }
-  return cases;
-}
-
 TEST(BackwardDeterminism, ThreadCounts) {
-  for (const BwdCase& bc : determinism_cases()) {
+  for (const BwdCase& bc : bwd_cases({
+           // varlen, GVA over two key heads, softplus gate with bias, everything fused
+           "lengths=150,1,129,0,77 H=2 HV=4 K=60 V=100 softplus l2norm beta=sigmoid h0 seed=1900",
+           // batch, GVA 4:1, lower-bound gate, bf16, v_first
+           "B=3 T=150 HV=4 K=128 V=16 regime=spike lower_bound beta=sigmoid_x2 bf16 v_first seed=1901 "
+           "no_dfin",
+       })) {
     SCOPED_TRACE(bc.name());
     Data d;
     make_data(bc.c, d);

@@ -17,15 +17,7 @@ constexpr float kSentinel = -12345.5f;
 class Errors : public ::testing::Test {
  protected:
   void SetUp() override {
-    Case c;
-    c.B = 2;
-    c.T = 5;
-    c.H = 1;
-    c.HV = 2;
-    c.K = 4;
-    c.V = 3;
-    c.initial_state = true;
-    make_data(c, d);
+    make_data(parse_case("B=2 T=5 HV=2 K=4 V=3 h0"), d);
     make_cotangents(d, true, 1, ct);
     p = d.problem();
     in = d.inputs();

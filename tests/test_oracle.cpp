@@ -96,114 +96,46 @@ TEST_P(OracleFiniteDifference, EveryGradient) {
   }
 }
 
-Case fd_case(int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, uint64_t seed) {
-  Case c;
-  c.T = T;
-  c.H = H;
-  c.HV = HV;
-  c.K = K;
-  c.V = V;
-  c.seed = seed;
-  c.initial_state = true;
-  return c;
+// A finite-difference case from a one-line spec: parse_case()'s fields and no_dfin (no final-state
+// gradient).
+std::vector<FdCase> fd_cases(std::initializer_list<std::string_view> specs) {
+  std::vector<FdCase> cases;
+  for (std::string_view spec : specs) {
+    std::vector<std::string> flags;
+    const Case c = parse_case(spec, {"no_dfin"}, flags);
+    cases.push_back({c, flags.empty()});
+  }
+  return cases;
 }
 
-std::vector<FdCase> fd_cases() {
-  std::vector<FdCase> v;
-  {  // plain
-    Case c = fd_case(7, 1, 1, 5, 4, 1);
-    v.push_back({c});
-    c.seed = 2;
-    c.initial_state = false;
-    v.push_back({c, false});  // no initial state, no final-state gradient
-  }
-  {  // GVA, batch, v_first, L2 norm, sigmoid beta, strong decay
-    Case c = fd_case(5, 1, 2, 4, 3, 3);
-    c.B = 2;
-    c.regime = Regime::strong;
-    c.layout = StateLayout::v_first;
-    c.qk_l2norm = true;
-    c.beta = BetaMode::sigmoid;
-    v.push_back({c});
-  }
-  {  // varlen, GVA over 2 key heads, softplus gate with bias, 2*sigmoid beta
-    Case c = fd_case(0, 2, 4, 4, 3, 4);
-    c.lengths = {3, 6};
-    c.gate = GateMode::softplus;
-    c.beta = BetaMode::sigmoid_x2;
-    c.qk_l2norm = true;
-    v.push_back({c});
-  }
-  {  // varlen with an empty sequence, lower-bound gate without bias, spikes, v_first
-    Case c = fd_case(0, 1, 2, 5, 3, 5);
-    c.lengths = {4, 0, 5};
-    c.regime = Regime::spike;
-    c.gate = GateMode::lower_bound;
-    c.lower_bound = -3.0f;
-    c.dt_bias = false;
-    c.beta = BetaMode::sigmoid;
-    c.layout = StateLayout::v_first;
-    v.push_back({c});
-  }
-  {  // -1000 spikes on the log decay itself, scale 1
-    Case c = fd_case(9, 1, 1, 6, 5, 6);
-    c.regime = Regime::spike;
-    c.initial_state = false;
-    c.scale = 1.0f;
-    v.push_back({c});
-  }
-  {  // Kimi's unbounded softplus gate, no bias
-    Case c = fd_case(8, 1, 2, 4, 4, 7);
-    c.regime = Regime::unbounded;
-    c.gate = GateMode::softplus;
-    c.dt_bias = false;
-    c.qk_l2norm = true;
-    c.beta = BetaMode::sigmoid;
-    v.push_back({c});
-  }
-  {  // unbounded decays passed as log decays
-    Case c = fd_case(6, 1, 1, 4, 3, 8);
-    c.regime = Regime::unbounded;
-    c.layout = StateLayout::v_first;
-    v.push_back({c});
-  }
-  {  // mild softplus gate, v_first, 2*sigmoid
-    Case c = fd_case(6, 2, 2, 3, 4, 9);
-    c.gate = GateMode::softplus;
-    c.beta = BetaMode::sigmoid_x2;
-    c.layout = StateLayout::v_first;
-    c.scale = 0.1f;
-    v.push_back({c});
-  }
-  {  // zero decay, lower-bound gate with bias
-    Case c = fd_case(6, 1, 2, 4, 3, 10);
-    c.regime = Regime::zero;
-    c.gate = GateMode::lower_bound;
-    c.beta = BetaMode::sigmoid_x2;
-    c.qk_l2norm = true;
-    v.push_back({c});
-  }
-  {  // strong lower-bound gate
-    Case c = fd_case(7, 1, 1, 4, 3, 11);
-    c.regime = Regime::strong;
-    c.gate = GateMode::lower_bound;
-    c.lower_bound = -8.0f;
-    v.push_back({c});
-  }
-  {  // sequences longer than one checkpoint segment (64 tokens)
-    Case c = fd_case(0, 1, 1, 3, 2, 12);
-    c.lengths = {66, 5};
-    c.beta = BetaMode::sigmoid;
-    c.layout = StateLayout::v_first;
-    v.push_back({c});
-    Case c2 = fd_case(130, 1, 1, 2, 2, 13);
-    c2.gate = GateMode::softplus;
-    v.push_back({c2});
-  }
-  return v;
-}
+const std::vector<FdCase> kFdCases = fd_cases({
+    // plain; no initial state and no final-state gradient
+    "T=7 HV=1 K=5 V=4 h0 seed=1",
+    "T=7 HV=1 K=5 V=4 seed=2 no_dfin",
+    // GVA, batch, v_first, L2 norm, sigmoid beta, strong decay
+    "B=2 T=5 HV=2 K=4 V=3 regime=strong v_first l2norm beta=sigmoid h0 seed=3",
+    // varlen, GVA over 2 key heads, softplus gate with bias, 2*sigmoid beta
+    "lengths=3,6 T=0 H=2 HV=4 K=4 V=3 softplus beta=sigmoid_x2 l2norm h0 seed=4",
+    // varlen with an empty sequence, lower-bound gate without bias, spikes, v_first
+    "lengths=4,0,5 T=0 HV=2 K=5 V=3 regime=spike lower_bound=-3 no_dt_bias beta=sigmoid v_first h0 seed=5",
+    // -1000 spikes on the log decay itself, scale 1
+    "T=9 HV=1 K=6 V=5 regime=spike scale=1 seed=6",
+    // Kimi's unbounded softplus gate, no bias
+    "T=8 HV=2 K=4 V=4 regime=unbounded softplus no_dt_bias l2norm beta=sigmoid h0 seed=7",
+    // unbounded decays passed as log decays
+    "T=6 HV=1 K=4 V=3 regime=unbounded v_first h0 seed=8",
+    // mild softplus gate, v_first, 2*sigmoid
+    "T=6 H=2 HV=2 K=3 V=4 softplus beta=sigmoid_x2 v_first scale=0.1 h0 seed=9",
+    // zero decay, lower-bound gate with bias
+    "T=6 HV=2 K=4 V=3 regime=zero lower_bound beta=sigmoid_x2 l2norm h0 seed=10",
+    // strong lower-bound gate
+    "T=7 HV=1 K=4 V=3 regime=strong lower_bound=-8 h0 seed=11",
+    // sequences longer than one checkpoint segment (64 tokens)
+    "lengths=66,5 T=0 HV=1 K=3 V=2 beta=sigmoid v_first h0 seed=12",
+    "T=130 HV=1 K=2 V=2 softplus h0 seed=13",
+});
 
-INSTANTIATE_TEST_SUITE_P(Cases, OracleFiniteDifference, ::testing::ValuesIn(fd_cases()),
+INSTANTIATE_TEST_SUITE_P(Cases, OracleFiniteDifference, ::testing::ValuesIn(kFdCases),
                          [](const ::testing::TestParamInfo<FdCase>& param_info) {
                            return param_info.param.c.name() +
                                   (param_info.param.d_final_state ? "" : "_nodfin");
@@ -256,18 +188,8 @@ TEST(Oracle, OneTokenByHand) {
 
 // Fused pre-processing of one token equals the plain call on pre-processed values.
 TEST(Oracle, FusedPreprocessingMatchesPlain) {
-  Case c;
-  c.T = 9;
-  c.H = 1;
-  c.HV = 2;
-  c.K = 5;
-  c.V = 3;
-  c.qk_l2norm = true;
-  c.gate = GateMode::softplus;
-  c.beta = BetaMode::sigmoid_x2;
-  c.initial_state = true;
   Data d;
-  make_data(c, d);
+  make_data(parse_case("T=9 HV=2 K=5 V=3 softplus beta=sigmoid_x2 l2norm h0"), d);
   const Problem p = d.problem();
   const Inputs in = reference::widen(p, d.inputs());
   Problem plain = p;
@@ -300,16 +222,7 @@ std::vector<double> slice(const std::vector<double>& x, int64_t per_token, int64
 
 // The state entering chunk c of a sequence equals the final state of its first 64 c tokens.
 TEST(Oracle, ChunkStatesAreStatesOfPrefixes) {
-  Case c;
-  c.lengths = {150, 64, 1, 0, 130};
-  c.H = 1;
-  c.HV = 2;
-  c.K = 5;
-  c.V = 4;
-  c.initial_state = true;
-  c.layout = StateLayout::v_first;
-  c.qk_l2norm = true;
-  c.gate = GateMode::lower_bound;
+  const Case c = parse_case("lengths=150,64,1,0,130 HV=2 K=5 V=4 lower_bound l2norm v_first h0");
   Data d;
   make_data(c, d);
   const Problem p = d.problem();
@@ -375,16 +288,8 @@ TEST(Oracle, EmptySequence) {
 
 // k_first and v_first are the same computation on transposed states.
 TEST(Oracle, StateLayoutsAgree) {
-  Case c;
-  c.B = 2;
-  c.T = 70;
-  c.H = 1;
-  c.HV = 2;
-  c.K = 4;
-  c.V = 3;
-  c.initial_state = true;
   Data d;
-  make_data(c, d);
+  make_data(parse_case("B=2 T=70 HV=2 K=4 V=3 h0"), d);
   Problem pk = d.problem(), pv = pk;
   pv.state_layout = StateLayout::v_first;
   Inputs ik = reference::widen(pk, d.inputs()), iv = ik;
@@ -413,16 +318,8 @@ TEST(Oracle, StateLayoutsAgree) {
 // widen() reads strided f32 / bf16 views exactly.
 TEST(Oracle, WidenReadsStridedViews) {
   for (DType dt : {DType::f32, DType::bf16}) {
-    Case c;
-    c.lengths = {3, 5};
-    c.H = 2;
-    c.HV = 4;
-    c.K = 6;
-    c.V = 5;
+    Case c = parse_case("lengths=3,5 H=2 HV=4 K=6 V=5 strided softplus h0");
     c.dtype = dt;
-    c.strided = true;
-    c.gate = GateMode::softplus;
-    c.initial_state = true;
     Data d;
     make_data(c, d);
     const Inputs in = reference::widen(d.problem(), d.inputs());
@@ -440,7 +337,7 @@ TEST(Oracle, WidenReadsStridedViews) {
   }
 }
 
-// An independent float64 statement of the chunked (WY) form for one head (kda-math.md).
+// An independent float64 statement of the chunked (WY) form for one head (docs/math.md, "The chunked (WY) form").
 void chunked_wy(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
                 const std::vector<double>& g, const std::vector<double>& beta, double scale, int64_t T,
                 int64_t K, int64_t V, int64_t C, std::vector<double>& S, std::vector<double>& o) {
@@ -507,13 +404,8 @@ void chunked_wy(const std::vector<double>& q, const std::vector<double>& k, cons
 TEST(Oracle, MatchesChunkedForm) {
   for (Regime regime : {Regime::mild, Regime::strong, Regime::zero, Regime::spike}) {
     SCOPED_TRACE(regime_name(regime));
-    Case c;
-    c.T = 150;
-    c.K = 6;
-    c.V = 5;
+    Case c = parse_case("T=150 K=6 V=5 beta=sigmoid_x2 h0");  // beta up to 2: negative eigenvalues
     c.regime = regime;
-    c.initial_state = true;
-    c.beta = BetaMode::sigmoid_x2;  // beta up to 2: negative eigenvalues
     Data d;
     make_data(c, d);
     const Problem p = d.problem();
@@ -532,14 +424,8 @@ TEST(Oracle, MatchesChunkedForm) {
 // Huge gates keep every output and gradient finite.
 TEST(Oracle, FiniteUnderExtremeGates) {
   for (GateMode gate : {GateMode::log_decay, GateMode::softplus}) {
-    Case c;
-    c.T = 100;
-    c.HV = 2;
-    c.K = 8;
-    c.V = 8;
-    c.regime = Regime::unbounded;
+    Case c = parse_case("T=100 HV=2 K=8 V=8 regime=unbounded h0");
     c.gate = gate;
-    c.initial_state = true;
     Data d;
     make_data(c, d);
     if (gate == GateMode::log_decay) {  // the computed decays, 100x: down to -1e5

@@ -12,16 +12,8 @@
 namespace kda::test {
 namespace {
 
-Case profile_case() {
-  Case c;
-  c.T = 130;  // three chunks, the last partial
-  c.H = 1;
-  c.HV = 2;
-  c.K = 48;
-  c.V = 40;
-  c.initial_state = true;
-  return c;
-}
+// T = 130: three chunks, the last partial.
+Case profile_case() { return parse_case("T=130 HV=2 K=48 V=40 h0"); }
 
 // Kernel name -> phases counted since the last reset.
 std::map<std::string, std::set<std::string>> phases_read() {

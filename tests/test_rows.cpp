@@ -54,14 +54,8 @@ void copy_values(const Tensor& src, Tensor& dst) {
 }
 
 TEST(RowConversionParity, Bf16OutputIsTheRoundedFp32Output) {
-  Case c;
-  c.T = 130;
-  c.H = 1;
-  c.HV = 2;
-  c.K = 48;
-  c.V = 40;  // not a multiple of 16 floats: whole vectors and a scalar tail
-  c.initial_state = true;
-  c.dtype = DType::bf16;
+  // V = 40: not a multiple of 16 floats: whole vectors and a scalar tail.
+  Case c = parse_case("T=130 HV=2 K=48 V=40 bf16 h0");
   Data narrow_in;
   make_data(c, narrow_in);
   // NaN in v makes NaN outputs from that token on (value head 1): they must stay NaN.
