@@ -13,7 +13,15 @@ import importlib
 
 from . import _engine as engine
 
-__version__ = "0.2.0"
+try:  # written by the build from VERSION; travels with the copy the kernels hub folder holds
+    from ._version import __version__
+except ImportError:  # a tree without the build's file: the installed distribution's metadata
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("kda")
+    except PackageNotFoundError:
+        __version__ = "unknown"
 
 simd_target = engine.simd_target
 simd_targets = engine.simd_targets

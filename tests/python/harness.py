@@ -1,27 +1,128 @@
 """Inputs, gate regimes and error measures shared by kda's Python tests.
 
-The regimes are those of the C++ suite: ``mild``, ``strong`` and ``zero`` log decays, ``spike`` (one
-token of each sequence decays by e^-1000), ``unbounded`` (the fused softplus gate with exp(A_log) of
-8..32, sigmoid beta and in-kernel q/k L2 norm: the gate Kimi-Linear-48B uses, unbounded below) and
-``lower_bound`` (the fused lower-bound gate, lb = -5, with 2 sigmoid beta: negative eigenvalues).
+The gate regimes, the input distributions and the tolerances are those of harness/definitions.txt,
+which the C++ harness compiles in: a regime name and a limit mean one thing in every suite. The random
+generator differs (torch.Generator here, splitmix64 in C++); the distributions and parameters do not.
+A regime says how g (and A_log, dt_bias) are drawn; the gate mode (log_decay, or the fused softplus /
+lower_bound gates), the beta mode and the in-kernel L2 norm are options of a case (``KIMI`` and
+``LOWER_BOUND`` name the two option sets the suites use most).
 The reference is kda's float64 oracle, reached through the same functions with float64 inputs.
 """
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import kda
 import torch
 
-REGIMES = ("mild", "strong", "zero", "spike", "unbounded", "lower_bound")
+DEFINITIONS = Path(__file__).resolve().parents[2] / "harness" / "definitions.txt"
 
-# Limits on the relative RMS error against the float64 oracle. fp32 quantities (fp32 activations and,
-# whatever the activations' dtype, states, A_log / dt_bias gradients) meet the fp32 limits; bf16
-# tensors carry one bf16 rounding (up to 2^-8 relative: 3.9e-3) plus fp32 work.
-FP32_FORWARD = 2e-6
-FP32_BACKWARD = 1e-5
-BF16_FORWARD = 4e-3
-BF16_BACKWARD = 1e-2
+
+@dataclass(frozen=True)
+class Distribution:
+    """One row's distribution (definitions.txt): const X | normal MEAN STD | uniform LO HI |
+    logsigmoid SCALE | sigmoid | softplus_gate (computed from the raw gate, not drawn)."""
+
+    kind: str
+    params: tuple = ()
+
+    def draw(self, gen, *shape):
+        if self.kind == "const":
+            return torch.full(shape, self.params[0], dtype=torch.float64)
+        if self.kind == "uniform":
+            lo, hi = self.params
+            return lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=torch.float64)
+        z = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        if self.kind == "normal":
+            return self.params[0] + self.params[1] * z
+        if self.kind == "logsigmoid":
+            return self.params[0] * torch.nn.functional.logsigmoid(z)
+        if self.kind == "sigmoid":
+            return torch.sigmoid(z)
+        raise ValueError(f"{self.kind} is computed, not drawn")
+
+
+_ARITY = {"const": 1, "normal": 2, "uniform": 2, "logsigmoid": 1, "sigmoid": 0, "softplus_gate": 0}
+
+
+@dataclass
+class Regime:
+    name: str
+    fields: dict = field(default_factory=dict)  # decay, raw, A_log, dt_bias: Distribution
+    spikes: tuple | None = None  # (count, channel probability, log-decay value, raw value)
+
+
+def _distribution(fields, where):
+    if not fields or fields[0] not in _ARITY or len(fields) - 1 != _ARITY[fields[0]]:
+        raise ValueError(f"{where}: bad distribution {' '.join(fields)!r}")
+    return Distribution(fields[0], tuple(float(x) for x in fields[1:]))
+
+
+def _read_definitions(path=DEFINITIONS):
+    """The regimes (in the file's order), input distributions and tolerances of definitions.txt: the
+    rows between the lines R"kda( and )kda"."""
+    regimes, inputs, tolerances = {}, {}, {}
+    inside = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not inside:
+            inside = line.startswith('R"kda(')
+            continue
+        if line.startswith(')kda"'):
+            break
+        f = line.split("#", 1)[0].split()
+        if not f:
+            continue
+        where = f"{path.name} line {number}"
+        if f[0] == "regime":
+            r = regimes.setdefault(f[1], Regime(f[1]))
+            if f[2] == "spikes":
+                r.spikes = (int(f[3]), float(f[4]), float(f[5]), float(f[6]))
+            elif f[2] in ("decay", "raw", "A_log", "dt_bias"):
+                r.fields[f[2]] = _distribution(f[3:], where)
+            else:
+                raise ValueError(f"{where}: unknown regime field {f[2]!r}")
+        elif f[0] == "input":
+            inputs[f[1]] = _distribution(f[2:], where)
+        elif f[0] == "tolerance":
+            for quantity in f[3].split(","):
+                tolerances[(f[1], f[2], quantity)] = float(f[4])
+        else:
+            raise ValueError(f"{where}: unknown row kind {f[0]!r}")
+    for r in regimes.values():
+        missing = {"decay", "raw", "A_log", "dt_bias"} - r.fields.keys()
+        if missing:
+            raise ValueError(f"{path.name}: regime {r.name} has no {', '.join(sorted(missing))}")
+    return regimes, inputs, tolerances
+
+
+_REGIMES, _INPUTS, _TOLERANCES = _read_definitions()
+REGIMES = tuple(_REGIMES)  # mild, strong, zero, spike, unbounded
+
+# The fused options of Kimi-Linear's layer (used with regime "unbounded") and the bounded gate with
+# beta up to 2 (negative eigenvalues).
+KIMI = dict(gate="softplus", beta="sigmoid", qk_l2norm=True)
+LOWER_BOUND = dict(gate="lower_bound", beta="sigmoid_x2", qk_l2norm=True)
+# Every regime with the options it is run with (unbounded: Kimi's layer), and the bounded gate on
+# strong raw gates (the sigmoid pushed to both ends): (regime, options) pairs.
+GATE_SETTINGS = tuple((r, KIMI if r == "unbounded" else {}) for r in REGIMES) + (("strong", LOWER_BOUND),)
+
+
+def tolerance(path, dtype, quantity):
+    """The limit on the relative RMS error against the float64 oracle (definitions.txt) of `quantity`
+    (o, state, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) on `path` (forward, backward, decode),
+    stored in `dtype`."""
+    stored = "bf16" if dtype == torch.bfloat16 else "f32"
+    try:
+        return _TOLERANCES[(path, stored, quantity)]
+    except KeyError:
+        raise KeyError(f"no tolerance for {path} {stored} {quantity} in {DEFINITIONS.name}") from None
+
+
+# The gradient quantity of each input of kda's functions.
+GRADIENT_OF = dict(
+    q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0", A_log="dA_log", dt_bias="ddt_bias"
+)
 
 
 @dataclass
@@ -39,11 +140,30 @@ class Case:
     initial_state: bool = True
     scale: float | None = None
     seed: int = 0
+    gate: str = "log_decay"  # or the fused gates "softplus", "lower_bound"
+    lower_bound: float = -5.0
+    dt_bias: bool = True  # fused gates: pass a dt_bias
+    beta: str = "given"  # or "sigmoid", "sigmoid_x2": beta passed as logits
+    qk_l2norm: bool = False
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.regime not in _REGIMES:
+            raise ValueError(
+                f"regime {self.regime!r} is not defined in {DEFINITIONS.name} ({', '.join(REGIMES)})"
+            )
 
     def __str__(self):
         shape = f"B{self.B}T{self.T}H{self.H}HV{self.HV}K{self.K}V{self.V}"
         parts = [shape, self.regime, str(self.dtype).replace("torch.", "")]
+        if self.gate != "log_decay":
+            parts.append(self.gate if self.gate == "softplus" else f"lb{self.lower_bound:g}")
+            if not self.dt_bias:
+                parts.append("nobias")
+        if self.beta != "given":
+            parts.append(self.beta)
+        if self.qk_l2norm:
+            parts.append("l2")
         if self.cu_seqlens is not None:
             parts.append("varlen" + "-".join(map(str, self.cu_seqlens)))
         if self.state_v_first:
@@ -59,58 +179,79 @@ class Case:
         return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
 
 
+def _draw(name, gen, *shape):
+    return _INPUTS[name].draw(gen, *shape)
+
+
+def _gates(case, gen):
+    """g as the case's regime draws it, and (fused gate) A_log and dt_bias: definitions.txt's rules."""
+    r = _REGIMES[case.regime]
+    B, T, HV, K = case.B, case.T, case.HV, case.K
+    fused = case.gate != "log_decay"
+    computed = r.fields["decay"].kind == "softplus_gate"
+    A_log = dt_bias = None
+    if fused or computed:
+        A_log = r.fields["A_log"].draw(gen, HV).float().double()
+        dt_bias = (
+            r.fields["dt_bias"].draw(gen, HV * K).float().double() if case.dt_bias else torch.zeros(HV * K)
+        )
+    spike = torch.zeros(B, T, HV, K, dtype=torch.bool)
+    if r.spikes is not None and T > 0:
+        count, channel_p = r.spikes[:2]
+        tokens = torch.randint(T, (B, HV, count), generator=gen)
+        channels = torch.rand(B, HV, count, K, generator=gen) < channel_p
+        channels[:, :, 0] = True  # the first spike in every channel
+        for b in range(B):
+            for hv in range(HV):
+                for s in range(count):
+                    spike[b, tokens[b, hv, s], hv] |= channels[b, hv, s]
+    if fused:
+        g = r.fields["raw"].draw(gen, B, T, HV, K)
+    elif computed:
+        raw = r.fields["raw"].draw(gen, B, T, HV, K)
+        g = -A_log.exp().view(HV, 1) * torch.nn.functional.softplus(raw + dt_bias.view(HV, K))
+    else:
+        g = r.fields["decay"].draw(gen, B, T, HV, K)
+    if r.spikes is not None:
+        g[spike] = r.spikes[3] if fused else r.spikes[2]
+    if not fused:
+        return g, {}
+    options = {"use_gate_in_kernel": True, "A_log": A_log.float()}
+    if case.dt_bias:
+        options["dt_bias"] = dt_bias.float()
+    if case.gate == "lower_bound":
+        options["lower_bound"] = case.lower_bound
+    elif case.gate != "softplus":
+        raise ValueError(f"gate {case.gate!r}: expected log_decay, softplus or lower_bound")
+    return g, options
+
+
 def make_inputs(case: Case):
     """Random inputs of a case: (tensors, options) for kda.chunk_kda / fused_recurrent_kda. Tensors are
     in the case's dtype (states, A_log, dt_bias in float32); options are the keyword arguments."""
     gen = torch.Generator().manual_seed(case.seed)
     B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
-
-    def randn(*shape, std=1.0):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64) * std
-
-    def uniform(lo, hi, *shape):
-        return lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=torch.float64)
-
-    r = case.regime
-    fused_gate = r in ("unbounded", "lower_bound")
-    q, k = randn(B, T, H, K), randn(B, T, H, K)
-    if not fused_gate:  # without the in-kernel L2 norm the keys must be normalised for a stable delta rule
-        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
-    v = randn(B, T, HV, V)
-    options = {"scale": case.scale, "state_v_first": case.state_v_first}
-    if r == "mild":
-        g = -uniform(0.005, 0.1, B, T, HV, K)
-    elif r == "strong":
-        g = -uniform(0.5, 4.0, B, T, HV, K)
-    elif r == "zero":
-        g = torch.zeros(B, T, HV, K, dtype=torch.float64)
-    elif r == "spike":
-        g = -uniform(0.005, 0.1, B, T, HV, K)
-        starts = [0] if case.cu_seqlens is None else case.cu_seqlens[:-1]
-        ends = [T] if case.cu_seqlens is None else case.cu_seqlens[1:]
-        for s, e in zip(starts, ends, strict=True):
-            if e > s:
-                g[:, s + (e - s) // 2, :, :] = -1000.0
-    elif r in ("unbounded", "lower_bound"):
-        g = randn(B, T, HV, K, std=2.0)
-    else:
-        raise ValueError(r)
-    if fused_gate:
-        beta = randn(B, T, HV, std=2.0)  # logits
-        options.update(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
-        if r == "unbounded":
-            options["A_log"] = torch.log(uniform(8.0, 32.0, HV)).float()
-        else:
-            options["A_log"] = uniform(-1.0, 1.0, HV).float()
-            options.update(lower_bound=-5.0, allow_neg_eigval=True)
-        options["dt_bias"] = randn(HV * K, std=0.5).float()
-    else:
-        beta = uniform(0.05, 0.95, B, T, HV)
+    q, k = _draw("q", gen, B, T, H, K), _draw("k", gen, B, T, H, K)
+    if case.qk_l2norm:  # rows of varied norm for the kernel to normalise
+        q = q * _draw("qk_row_norm", gen, B, T, H, 1)
+        k = k * _draw("qk_row_norm", gen, B, T, H, 1)
+    else:  # unit keys keep the delta rule stable (queries stay as drawn)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    v = _draw("v", gen, B, T, HV, V)
+    if case.beta not in ("given", "sigmoid", "sigmoid_x2"):
+        raise ValueError(f"beta {case.beta!r}: expected given, sigmoid or sigmoid_x2")
+    beta = _draw("beta" if case.beta == "given" else "beta_logit", gen, B, T, HV)
+    g, options = _gates(case, gen)
+    options.update(scale=case.scale, state_v_first=case.state_v_first)
+    if case.beta != "given":
+        options.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=case.beta == "sigmoid_x2")
+    if case.qk_l2norm:
+        options["use_qk_l2norm_in_kernel"] = True
     if case.cu_seqlens is not None:
         options["cu_seqlens"] = torch.tensor(case.cu_seqlens, dtype=torch.int64)
     if case.initial_state:
         state = (V, K) if case.state_v_first else (K, V)
-        options["initial_state"] = randn(case.num_sequences, HV, *state, std=0.1).float()
+        options["initial_state"] = _draw("initial_state", gen, case.num_sequences, HV, *state).float()
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
     return {n: t.to(case.dtype) for n, t in tensors.items()}, options
 
@@ -161,13 +302,6 @@ def gate_parameter_magnitudes(dg_raw, tensors, options):
     return dA, dbias
 
 
-def limits(dtype):
-    """(forward, backward) relative limits of tensors stored in `dtype`."""
-    if dtype == torch.bfloat16:
-        return BF16_FORWARD, BF16_BACKWARD
-    return FP32_FORWARD, FP32_BACKWARD
-
-
 def run(function, tensors, options, requires_grad=False):
     """Calls kda's `function` ("chunk_kda" or "fused_recurrent_kda"); with requires_grad every floating
     input gets a gradient. Returns (o, final_state, inputs by name)."""
@@ -187,10 +321,10 @@ def loss_weights(o, final, seed=7, round_to=None):
     `round_to` (the kernel's o dtype): the gradient reaching a bf16 o is bf16, and the oracle must see
     the same values."""
     gen = torch.Generator().manual_seed(seed)
-    w_o = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    w_o = _draw("d_o", gen, *o.shape)
     if round_to is not None:
         w_o = w_o.to(round_to).double()
-    w_s = torch.randn(final.shape, generator=gen, dtype=torch.float64)
+    w_s = _draw("d_final_state", gen, *final.shape)
     return w_o, w_s
 
 

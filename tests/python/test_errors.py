@@ -6,7 +6,7 @@ import warnings
 import kda
 import pytest
 import torch
-from harness import Case, make_inputs
+from harness import KIMI, Case, make_inputs
 
 FUNCTIONS = ("chunk_kda", "fused_recurrent_kda")
 
@@ -160,7 +160,7 @@ def test_varlen_errors(function):
 
 @pytest.mark.parametrize("function", FUNCTIONS)
 def test_side_tensor_shapes_are_named(function):
-    tensors, options = _inputs(regime="unbounded")
+    tensors, options = _inputs(regime="unbounded", **KIMI)
     with pytest.raises(ValueError, match="'initial_state': expected shape"):
         _call(function, tensors, options, initial_state=torch.zeros(1, 2, 8, 9))
     with pytest.raises(ValueError, match="'A_log': expected 2 elements"):
@@ -185,7 +185,7 @@ def test_unused_gate_arguments_are_not_silently_ignored():
 
 
 def test_a_rejected_call_changes_no_input():
-    tensors, options = _inputs(regime="unbounded")
+    tensors, options = _inputs(regime="unbounded", **KIMI)
     before = {
         n: t.clone()
         for n, t in {**tensors, **{k: v for k, v in options.items() if torch.is_tensor(v)}}.items()

@@ -11,7 +11,7 @@ import kda
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import Case, loss_weights, make_inputs, rel_rms, run
+from harness import GATE_SETTINGS, KIMI, LOWER_BOUND, Case, loss_weights, make_inputs, rel_rms, run
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
 fla_gate = pytest.importorskip("fla.ops.kda.gate")
@@ -77,10 +77,13 @@ def _compare(function, naive, case):
 @pytest.mark.parametrize(
     "case",
     [
-        Case(B=2, T=100, H=2, HV=4, K=32, V=32, regime=r, seed=i)
-        for i, r in enumerate(("mild", "strong", "zero", "spike", "unbounded", "lower_bound"))
+        Case(B=2, T=100, H=2, HV=4, K=32, V=32, regime=r, **options, seed=i)
+        for i, (r, options) in enumerate(GATE_SETTINGS)
     ]
-    + [Case(T=1, regime="unbounded"), Case(T=77, K=64, V=16, regime="mild", scale=1.0, initial_state=False)],
+    + [
+        Case(T=1, regime="unbounded", **KIMI),
+        Case(T=77, K=64, V=16, regime="mild", scale=1.0, initial_state=False),
+    ],
     ids=str,
 )
 def test_recurrent_matches_fla_naive_recurrent(case):
@@ -102,11 +105,13 @@ def test_chunked_matches_fla_naive_chunk(function, case):
 
 
 def test_chunked_matches_fla_naive_recurrent_in_every_regime():
-    for i, regime in enumerate(("strong", "spike", "unbounded", "lower_bound")):
+    for i, (regime, options) in enumerate(
+        (("strong", {}), ("spike", {}), ("unbounded", KIMI), ("strong", LOWER_BOUND))
+    ):
         _compare(
             "chunk_kda",
             fla_naive.naive_recurrent_kda,
-            Case(T=150, H=2, HV=2, K=32, V=32, regime=regime, seed=i),
+            Case(T=150, H=2, HV=2, K=32, V=32, regime=regime, **options, seed=i),
         )
 
 
@@ -143,7 +148,7 @@ def test_gate_matches_fla(lower_bound, with_A_log):
 
 def test_fused_gate_equals_gate_then_kernel():
     """chunk_kda(use_gate_in_kernel=True) equals fused_kda_gate followed by chunk_kda on the log decay."""
-    tensors, options = make_inputs(Case(T=90, regime="unbounded"))
+    tensors, options = make_inputs(Case(T=90, regime="unbounded", **KIMI))
     with torch.no_grad():
         o_fused, s_fused, _ = run("chunk_kda", tensors, options)
         g = kda.fused_kda_gate(tensors["g"], options["A_log"], options["dt_bias"])

@@ -8,7 +8,7 @@ import sys
 import kda
 import pytest
 import torch
-from harness import Case, make_inputs
+from harness import KIMI, Case, make_inputs
 from kda import hub
 
 kernels = pytest.importorskip("kernels")
@@ -37,7 +37,7 @@ def test_loaded_module_is_a_separate_copy_with_bitwise_equal_results(hub_folder)
     module = kernels.get_local_kernel(hub_folder)
     assert module.__name__ != "kda" and module.ops.NAMESPACE == module.__name__
     assert module.engine is not kda.engine  # its own copy of the extension
-    case = Case(B=2, T=90, H=2, HV=4, K=16, V=16, regime="unbounded")
+    case = Case(B=2, T=90, H=2, HV=4, K=16, V=16, regime="unbounded", **KIMI)
     tensors, options = make_inputs(case)
     for function in ("chunk_kda", "fused_recurrent_kda"):
         ours = {n: t.clone().requires_grad_() for n, t in tensors.items()}

@@ -5,7 +5,7 @@ import kda
 import pytest
 import torch
 import torch._dynamo.testing
-from harness import Case, as_oracle, make_inputs, rel_rms, run
+from harness import KIMI, LOWER_BOUND, Case, as_oracle, make_inputs, rel_rms, run
 from kda import _ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -47,8 +47,18 @@ def _op_args(case, requires_grad, keep_chunk_states, dtype=None):
 
 
 _OP_CASES = [
-    Case(B=2, T=70, H=1, HV=2, K=16, V=8, regime="unbounded"),
-    Case(T=90, cu_seqlens=[0, 20, 20, 90], H=1, HV=1, K=8, V=16, regime="lower_bound", state_v_first=True),
+    Case(B=2, T=70, H=1, HV=2, K=16, V=8, regime="unbounded", **KIMI),
+    Case(
+        T=90,
+        cu_seqlens=[0, 20, 20, 90],
+        H=1,
+        HV=1,
+        K=8,
+        V=16,
+        regime="strong",
+        **LOWER_BOUND,
+        state_v_first=True,
+    ),
     Case(T=33, K=8, V=8, regime="mild", initial_state=False),
 ]
 
@@ -97,7 +107,7 @@ class _OpLog(TorchDispatchMode):
 
 
 def test_forward_keeps_chunk_states_only_for_a_gradient():
-    tensors, options = make_inputs(Case(T=100, regime="unbounded"))
+    tensors, options = make_inputs(Case(T=100, regime="unbounded", **KIMI))
     with _OpLog() as log, torch.no_grad():
         run("chunk_kda", tensors, options, requires_grad=True)
     with _OpLog() as log_grad:
@@ -113,14 +123,14 @@ def _loss(function, tensors, options):
 
 
 @pytest.mark.parametrize("function", ("chunk_kda", "fused_recurrent_kda"))
-@pytest.mark.parametrize("regime", ("unbounded", "mild"))
-def test_compile_fullgraph_dynamic_sequence_length(function, regime):
+@pytest.mark.parametrize("regime, settings", (("unbounded", KIMI), ("mild", {})))
+def test_compile_fullgraph_dynamic_sequence_length(function, regime, settings):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(
         lambda t, o: _loss(function, t, o), backend=counter, fullgraph=True, dynamic=True
     )
     for T in (70, 100, 131):
-        tensors, options = make_inputs(Case(T=T, regime=regime, K=16, V=16))
+        tensors, options = make_inputs(Case(T=T, regime=regime, **settings, K=16, V=16))
         eager = {n: t.clone().requires_grad_() for n, t in tensors.items()}
         traced = {n: t.clone().requires_grad_() for n, t in tensors.items()}
         loss_eager = _loss(function, eager, options)
@@ -135,7 +145,7 @@ def test_compile_fullgraph_dynamic_sequence_length(function, regime):
 
 def test_compile_inductor_varlen():
     """The inductor backend, varlen (a data-dependent chunk count in the fake implementation)."""
-    case = Case(T=90, cu_seqlens=[0, 30, 90], regime="unbounded", K=16, V=16)
+    case = Case(T=90, cu_seqlens=[0, 30, 90], regime="unbounded", **KIMI, K=16, V=16)
     tensors, options = make_inputs(case)
     compiled = torch.compile(lambda t, o: _loss("chunk_kda", t, o), fullgraph=True)
     eager = {n: t.clone().requires_grad_() for n, t in tensors.items()}
@@ -153,8 +163,8 @@ def test_compile_inductor_varlen():
 @pytest.mark.parametrize(
     "case",
     [
-        Case(T=9, H=1, HV=2, K=3, V=2, regime="unbounded"),
-        Case(T=7, K=2, V=3, regime="lower_bound", state_v_first=True),
+        Case(T=9, H=1, HV=2, K=3, V=2, regime="unbounded", **KIMI),
+        Case(T=7, K=2, V=3, regime="strong", **LOWER_BOUND, state_v_first=True),
         Case(T=6, cu_seqlens=[0, 2, 6], K=2, V=2, regime="mild"),
         Case(T=5, K=3, V=2, regime="spike"),
     ],
