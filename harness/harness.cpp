@@ -84,16 +84,23 @@ struct Definitions {
   throw std::runtime_error("harness/definitions.txt: " + what + (row.empty() ? "" : " (row: " + row + ")"));
 }
 
-double parse_number(const std::string& s, const std::string& line) {
+// The whole of `s` as a number, or nullopt.
+std::optional<double> to_number(const std::string& s) {
   size_t used = 0;
   double x = 0;
   try {
     x = std::stod(s, &used);
   } catch (const std::exception&) {
-    used = 0;
+    return std::nullopt;
   }
-  if (used != s.size()) definitions_error(line, "expected a number, got '" + s + "'");
+  if (used != s.size()) return std::nullopt;
   return x;
+}
+
+double parse_number(const std::string& s, const std::string& line) {
+  const std::optional<double> x = to_number(s);
+  if (!x) definitions_error(line, "expected a number, got '" + s + "'");
+  return *x;
 }
 
 // `fields[at..]`: a distribution and its parameters (the rest of the row).
@@ -368,15 +375,9 @@ T pick(std::string_view spec, const std::string& key, const std::string& value,
 }
 
 double spec_number(std::string_view spec, const std::string& key, const std::string& value) {
-  size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != value.size()) spec_error(spec, key + "=" + value + ": expected a number");
-  return x;
+  const std::optional<double> x = to_number(value);
+  if (!x) spec_error(spec, key + "=" + value + ": expected a number");
+  return *x;
 }
 
 int64_t spec_integer(std::string_view spec, const std::string& key, const std::string& value) {
