@@ -297,12 +297,9 @@ int run_check(const Options& o) {
       "rounding to bf16 alone gives ~2e-3)\n",
       kda::harness::kForwardF32, kda::harness::kBackwardF32, kda::harness::kForwardBf16,
       kda::harness::kBackwardBf16, kda::harness::kBackwardBf16Gate);
-  std::printf(
-      "regimes (the tests'): mild / strong decay (log decay logsigmoid(N(0,1)), 5x that), zero, spike (mild, "
-      "and\n"
-      "         -1000 on a few single tokens), unbounded (Kimi-Linear-48B: fused softplus gate with A_log in "
-      "3..5,\n"
-      "         raw gate 6 N(0,1), sigmoid beta, in-kernel L2 norm)\n");
+  std::printf("regimes (the tests', harness/definitions.txt):");
+  for (Regime regime : hs::regimes()) std::printf(" %s", hs::regime_name(regime));
+  std::printf("; 'unbounded' runs Kimi Linear's options (fused softplus gate, sigmoid beta, L2 norm)\n");
   print_targets();
   std::printf("\n");
 
@@ -319,7 +316,7 @@ int run_check(const Options& o) {
     std::string grads_error;
   };
   std::vector<std::unique_ptr<Ref>> refs;
-  for (Regime regime : {Regime::mild, Regime::strong, Regime::zero, Regime::spike, Regime::unbounded})
+  for (Regime regime : hs::regimes())
     for (DType dtype : dtypes) {
       Case c = s;
       c.regime = regime;
@@ -593,11 +590,15 @@ int run_decode(const Options& o) {
   const std::vector<int> thread_counts = default_threads(o.bench_threads);
 
   if (!o.json) {
+    // The pool's size as this run sets it: --slots, else twice the states the batch holds.
+    const std::string pool = o.slots ? std::to_string(*o.slots) + " slots"
+                                     : (o.spec ? "2 x requests x T slots" : "2 x requests slots");
     std::printf(
-        "kda decode: requests x %s, %s, pool of 2 x requests x columns slots at random, updated in "
-        "place; median of %d batches of steps\n",
+        "kda decode: requests x %s, %s, pool of %s at random, updated in place; median of %d batches of "
+        "steps\n",
         base.shape().c_str(),
-        o.spec ? "speculative (the state after every token stored)" : "one state stored per request", reps);
+        o.spec ? "speculative (the state after every token stored)" : "one state stored per request",
+        pool.c_str(), reps);
     print_targets();
     std::printf(
         "bound: state bytes read + written per step / this run's copy bandwidth (memcpy, read + write)\n");
