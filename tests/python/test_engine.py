@@ -20,8 +20,10 @@ def _numpy_call(case=None):
     return tensors, options, arrays, h0, o, final
 
 
-def _run(function, q, k, v, g, beta, o, problem=None, **kw):
-    """One engine call: its problem prepared from q, v and the `problem` options, then the function."""
+def _run(function, a, o, problem=None, **kw):
+    """One engine call on the arrays `a` (q, k, v, g, beta by name): its problem prepared from q, v and
+    the `problem` options, then the function."""
+    q, k, v, g, beta = (a[n] for n in ("q", "k", "v", "g", "beta"))
     return function(engine.prepare(q, v, **(problem or {})), q, k, v, g, beta, o, **kw)
 
 
@@ -29,11 +31,7 @@ def test_numpy_arrays_give_the_torch_layer_results():
     tensors, options, a, h0, o, final = _numpy_call()
     _run(
         engine.chunk_forward,
-        a["q"],
-        a["k"],
-        a["v"],
-        a["g"],
-        a["beta"],
+        a,
         o,
         initial_state=h0,
         final_state=final,
@@ -51,11 +49,7 @@ def test_read_only_inputs_are_accepted():
         x.setflags(write=False)
     _run(
         engine.recurrent_forward,
-        a["q"],
-        a["k"],
-        a["v"],
-        a["g"],
-        a["beta"],
+        a,
         o,
         initial_state=h0,
         final_state=final,
@@ -84,11 +78,7 @@ def test_one_validation_per_call_and_the_route():
     before = engine.validation_count()
     _run(
         engine.chunk_forward,
-        a["q"],
-        a["k"],
-        a["v"],
-        a["g"],
-        a["beta"],
+        a,
         o,
         initial_state=h0,
         final_state=final,
@@ -108,16 +98,12 @@ def test_a_per_head_gate_is_taken_then_refused_until_the_kernels_have_it():
     o[...] = 7.0
     for function in (engine.chunk_forward, engine.recurrent_forward):
         with pytest.raises(ValueError, match="'gate_width': per_head .* not supported yet"):
-            _run(function, a["q"], a["k"], a["v"], g3, a["beta"], o, problem=dict(gate_width="per_head"))
+            _run(function, {**a, "g": g3}, o, problem=dict(gate_width="per_head"))
     assert (o == 7.0).all()
     with pytest.raises(ValueError, match="'g': expected a 3-D"):
         _run(
             engine.chunk_forward,
-            a["q"],
-            a["k"],
-            a["v"],
-            a["g"],
-            a["beta"],
+            a,
             o,
             problem=dict(gate_width="per_head"),
         )
@@ -129,21 +115,12 @@ def test_binding_errors_name_the_argument_and_write_nothing():
     sentinel = np.full_like(o, 7.0)
 
     def call(**over):
-        args = dict(q=q, k=k, v=v, g=g, beta=beta, o=o)
+        args = dict(a, o=o)
         kw = dict(initial_state=h0, final_state=final)
         for name, value in over.items():
             (args if name in args else kw)[name] = value
         o[...] = 7.0
-        _run(
-            engine.chunk_forward,
-            args.pop("q"),
-            args.pop("k"),
-            args.pop("v"),
-            args.pop("g"),
-            args.pop("beta"),
-            args.pop("o"),
-            **kw,
-        )
+        _run(engine.chunk_forward, args, args["o"], **kw)
 
     cases = [
         (TypeError, "'q': expected dtype float32 or bfloat16, got float64", dict(q=q.astype(np.float64))),
@@ -177,19 +154,15 @@ def test_binding_errors_name_the_argument_and_write_nothing():
     with pytest.raises(ValueError, match="'o': expected dtype f32"):
         _run(
             engine.chunk_forward,
-            torch.from_numpy(q),
-            torch.from_numpy(k),
-            torch.from_numpy(v),
-            torch.from_numpy(g),
-            torch.from_numpy(beta),
+            {n: torch.from_numpy(x) for n, x in a.items()},
             torch.zeros(o.shape, dtype=torch.bfloat16),
         )
     with pytest.raises(ValueError, match="'gate': expected 'log_decay'"):
-        _run(engine.chunk_forward, q, k, v, g, beta, o, problem=dict(gate="softplus_x"))
+        _run(engine.chunk_forward, a, o, problem=dict(gate="softplus_x"))
     with pytest.raises(ValueError, match="'A_log': required by the fused gate"):
-        _run(engine.chunk_forward, q, k, v, g, beta, o, problem=dict(gate="softplus"))
+        _run(engine.chunk_forward, a, o, problem=dict(gate="softplus"))
     with pytest.raises(ValueError, match="'num_threads'"):
-        _run(engine.chunk_forward, q, k, v, g, beta, o, num_threads=-1)
+        _run(engine.chunk_forward, a, o, num_threads=-1)
     # A tensor DLPack cannot export (the meta device has no data) is refused by nanobind's conversion.
     with pytest.raises(TypeError, match="incompatible function arguments"):
         engine.chunk_forward(engine.prepare(q, v), torch.zeros(q.shape, device="meta"), k, v, g, beta, o)
@@ -198,9 +171,9 @@ def test_binding_errors_name_the_argument_and_write_nothing():
 def test_oracle_binding_needs_float64():
     _, _, a, h0, o, final = _numpy_call()
     with pytest.raises(TypeError, match="'q': expected dtype float64"):
-        _run(engine.reference_forward, a["q"], a["k"], a["v"], a["g"], a["beta"], o.astype(np.float64))
+        _run(engine.reference_forward, a, o.astype(np.float64))
     a64 = {n: x.astype(np.float64) for n, x in a.items()}
     o64 = np.zeros(o.shape)
-    _run(engine.reference_forward, a64["q"], a64["k"], a64["v"], a64["g"], a64["beta"], o64)
-    _run(engine.chunk_forward, a["q"], a["k"], a["v"], a["g"], a["beta"], o)
+    _run(engine.reference_forward, a64, o64)
+    _run(engine.chunk_forward, a, o)
     assert np.abs(o64 - o).max() <= 1e-5 * np.abs(o64).max()
