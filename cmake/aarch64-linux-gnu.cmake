@@ -1,7 +1,7 @@
 # Cross build for 64-bit Arm Linux with Debian's cross compiler (g++-aarch64-linux-gnu) against the
 # arm64 multiarch packages (libhwy-dev:arm64, libgtest-dev:arm64). Tests run under qemu user-mode
 # emulation (qemu-user): ctest and gtest_discover_tests start every test program through it.
-#   cmake -S . -B build-aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake
+#   cmake --preset aarch64    (CMakePresets.json: build-aarch64/, this file as the toolchain)
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
 set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)

@@ -4,18 +4,16 @@
 # input that caused it (crash-*) in the corpus directory. test.sh runs a short run; a long one:
 #   scripts/fuzz.sh 3600            seconds to fuzz (default 60)
 #   KDA_FUZZ_RUNS=1000000 scripts/fuzz.sh 3600   stop after that many executions (or the time)
-#   KDA_FUZZ_BUILD_DIR              build directory (default build-fuzz; the corpus is kept in it)
+# The build is CMakePresets.json's `fuzz` in build-fuzz/, which keeps the corpus and the findings too.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 seconds="${1:-60}"
-dir="${KDA_FUZZ_BUILD_DIR:-build-fuzz}"
+dir=build-fuzz
 bash scripts/install_deps.sh clang-14 libclang-rt-14-dev
 
-cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang-14 \
-  -DCMAKE_CXX_COMPILER=clang++-14 -DKDA_SANITIZE=address,undefined -DKDA_BUILD_FUZZERS=ON \
-  -DKDA_BUILD_TESTS=OFF -DKDA_BUILD_BENCH=OFF -DKDA_BUILD_TOOLS=OFF >/dev/null
-cmake --build "$dir" -j "${KDA_JOBS:-2}" --target kda_fuzz_c_abi
+cmake --preset fuzz >/dev/null
+cmake --build --preset fuzz -j "${KDA_JOBS:-2}"
 
 mkdir -p "$dir/corpus" "$dir/findings"
 log="$dir/fuzz.log"

@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/setup.sh
 status=0
-"${KDA_BUILD_DIR:-build}/kda" "$@" || status=$?
+build/kda "$@" || status=$?
 if [[ "${KDA_SKIP_PYTHON:-0}" != 1 ]]; then
   echo
   bash scripts/setup_python.sh

@@ -2,20 +2,18 @@
 # Builds kda as a shared library (hidden visibility), installs it into a scratch prefix, checks that
 # it exports only the public API, and builds and runs a consumer project that finds it with
 # find_package(kda) (tests/consumer: the C ABI and the C++ API). Called by test.sh; alone:
-#   scripts/test_install.sh
-#   KDA_INSTALL_BUILD_DIR   build directory (default build-shared; the prefix is its install/)
+#   scripts/test_install.sh     (CMakePresets.json's `shared`: build-shared/, installed into its install/)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-dir="${KDA_INSTALL_BUILD_DIR:-build-shared}"
-jobs="${KDA_JOBS:-2}"
+dir=build-shared
 prefix="$PWD/$dir/install"
+version=$(<VERSION)
 echo "== shared library: build and install into $prefix"
-cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DKDA_BUILD_TESTS=OFF \
-  -DKDA_BUILD_BENCH=OFF -DKDA_BUILD_TOOLS=OFF -DCMAKE_INSTALL_PREFIX="$prefix" >/dev/null
-cmake --build "$dir" -j "$jobs"
+cmake --preset shared >/dev/null
+cmake --build --preset shared -j "${KDA_JOBS:-2}"
 rm -rf "$prefix"
-cmake --install "$dir" >/dev/null
+cmake --install "$dir" --prefix "$prefix" >/dev/null
 
 lib=$(find "$prefix" -name 'libkda.so.*.*' | head -n 1)
 # Every dynamic symbol libkda defines must be the C ABI (kda_*) or the C++ API (namespace kda, whose
@@ -30,8 +28,12 @@ if [[ -n "$stray" || -n "$internal" ]]; then
 fi
 echo "libkda exports $(wc -l <<<"$exported") symbols, all of the public API ($(grep -c '^kda_' <<<"$exported") C functions)"
 
-echo "== a consumer project: find_package(kda)"
-cmake -S tests/consumer -B "$dir/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+echo "== a consumer project: find_package(kda $version)"
+cmake -S tests/consumer -B "$dir/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DKDA_WANTED_VERSION="$version" \
+  >/dev/null
 cmake --build "$dir/consumer"
-"$dir/consumer/consumer_c"
+# The installed header's KDA_VERSION_STRING and the library's kda_version() both come from VERSION.
+"$dir/consumer/consumer_c" | tee "$dir/consumer/consumer_c.out"
+grep -q "^C consumer: kda $version," "$dir/consumer/consumer_c.out" ||
+  { echo "test_install: the installed kda does not say version $version (the VERSION file)" >&2; exit 1; }
 "$dir/consumer/consumer_cpp"
