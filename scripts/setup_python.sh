@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up the Python side: a virtual environment (.venv) with PyTorch (the CPU build, torch==2.13.0),
-# the test and benchmark companions (fla-core 0.6.0 with triton, transformers 5.22.2 with kernels
-# 0.17.2, pytest, ruff, matplotlib), and kda itself, built from this checkout with `pip install .`.
-# Safe to run again: pip skips what is installed, and the extension's build is incremental.
+# then kda itself, built from this checkout, with its `test` and `bench` extras (pyproject.toml:
+# fla-core 0.6.0 with triton, transformers 5.22.2 with kernels 0.17.2, pytest, ruff, matplotlib), all
+# at the versions constraints.txt pins. Safe to run again: pip skips what is installed, and the
+# extension's build is incremental.
 #
 #   KDA_VENV    the virtual environment (default .venv)
 #   KDA_PYTHON  the interpreter that creates it (default python3)
@@ -21,12 +22,12 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # pip's output without the warnings some machines' pip configuration prints for every package; a
 # failing pip still fails the script (pipefail).
 quiet_pip() { "${pip[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
-# torch pinned: an unpinned torch would pull a multi-GB CUDA build. The rest are test companions, used
-# as installed packages (never copied into the repository).
-quiet_pip install -q torch==2.13.0 numpy pytest ruff matplotlib einops fla-core==0.6.0 triton \
-  transformers==5.22.2 kernels==0.17.2
+# torch first and alone, at the pinned CPU build: it is the large download, and an unpinned torch would
+# pull a multi-GB CUDA build. The companions are used as installed packages (never copied into the
+# repository).
+quiet_pip install -q -c constraints.txt torch
+echo "setup_python: pip install \".[test,bench]\" (builds the extension)"
+quiet_pip install -q -c constraints.txt ".[test,bench]"
 "${pip[@]}" show torch fla-core transformers kernels 2>/dev/null | grep -E "^(Name|Version)" | paste - - | \
   sed 's/^/setup_python: /'
-echo "setup_python: pip install . (builds the extension)"
-quiet_pip install -q .
 "$venv/bin/python" -c "import kda; print('setup_python: kda', kda.__version__, 'on', kda.simd_target())"
