@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
-# Installs, builds and runs every test: the Release build's C++ suite and `kda check` (parity of every
+# Installs, builds and runs every test, after the lint step (scripts/lint.sh: clang-format and ruff, so
+# unformatted code fails first): the Release build's C++ suite and `kda check` (parity of every
 # path with the float64 oracle) once per x86 SIMD target, the same suite built with AddressSanitizer
 # and UndefinedBehaviorSanitizer, the installed shared library and a find_package(kda) consumer, a
 # short fuzzing run of the C ABI, the aarch64 cross build with its parity suites per Arm target under
 # qemu, then the Python package's pytest suite (torch layer, custom ops, torch.compile, fla-core
-# parity, the kernels hub folder, transformers' Kimi Linear) and its lint.
+# parity, the kernels hub folder, transformers' Kimi Linear). Each build is a preset of
+# CMakePresets.json: release (build/), sanitize (build-asan/), shared, fuzz and aarch64.
 #
-#   KDA_BUILD_DIR       Release build directory (default build)
-#   KDA_ASAN_BUILD_DIR  sanitizer build directory (default build-asan)
 #   KDA_JOBS            parallel compile and test jobs (default 2)
 #   KDA_SKIP_ASAN       set to 1 to skip the sanitizer build
 #   KDA_SKIP_INSTALL    set to 1 to skip the shared-library install and consumer test
 #   KDA_SKIP_FUZZ       set to 1 to skip the fuzzing run; KDA_FUZZ_SECONDS its length (default 120)
 #   KDA_SKIP_ARM        set to 1 to skip the aarch64 cross build and emulated tests
-#   KDA_SKIP_PYTHON     set to 1 to skip the Python package and its tests
+#   KDA_SKIP_PYTHON     set to 1 to skip the Python package and its tests (lint.sh still installs ruff)
 #   KDA_VENV            the Python virtual environment (default .venv)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-build_dir="${KDA_BUILD_DIR:-build}"
-asan_dir="${KDA_ASAN_BUILD_DIR:-build-asan}"
+build_dir=build
 jobs="${KDA_JOBS:-2}"
 venv="${KDA_VENV:-.venv}"
-export KDA_BUILD_DIR="$build_dir" KDA_JOBS="$jobs" KDA_VENV="$venv"
+export KDA_JOBS="$jobs" KDA_VENV="$venv"
 start=$SECONDS
+
+# First, so that unformatted code fails in seconds rather than after the builds.
+bash scripts/lint.sh
 
 bash scripts/setup.sh
 
 echo "== Release: ctest"
-ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+ctest --preset release -j "$jobs"
 
 echo "== Release: kda check"
 "$build_dir/kda" check
@@ -42,13 +44,10 @@ done
 
 if [[ "${KDA_SKIP_ASAN:-0}" != 1 ]]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer: build"
-  cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITIZE=address,undefined \
-    -DKDA_BUILD_BENCH=OFF -DKDA_BUILD_TOOLS=OFF
-  cmake --build "$asan_dir" -j "$jobs"
+  cmake --preset sanitize
+  cmake --build --preset sanitize -j "$jobs"
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer: ctest"
-  ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \
-    UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}" \
-    ctest --test-dir "$asan_dir" --output-on-failure -j "$jobs"
+  ctest --preset sanitize -j "$jobs"  # the preset sets ASAN_OPTIONS and UBSAN_OPTIONS
 fi
 
 if [[ "${KDA_SKIP_INSTALL:-0}" != 1 ]]; then
@@ -65,11 +64,8 @@ if [[ "${KDA_SKIP_ARM:-0}" != 1 ]]; then
 fi
 
 if [[ "${KDA_SKIP_PYTHON:-0}" != 1 ]]; then
-  echo "== Python: set up $venv and pip install ."
+  echo "== Python: set up $venv and pip install \".[test,bench]\""
   bash scripts/setup_python.sh
-  echo "== Python: ruff"
-  "$venv/bin/ruff" check python tests/python bench examples
-  "$venv/bin/ruff" format --check python tests/python bench examples
   echo "== Python: pytest"
   "$venv/bin/python" -m pytest tests/python -q
 fi
