@@ -9,13 +9,22 @@ set -euo pipefail
 # Each package is checked with dpkg; cmake and ninja also count as present when they are on PATH
 # (e.g. installed with pip).
 packages=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libgmock-dev libopenblas-dev clang-format "$@")
+native=$(dpkg --print-architecture)
+# Whether NAME[:ARCH] is installed for ARCH (default: this machine's architecture; an Architecture: all
+# package counts for any). Asked per architecture because once test_arm.sh has installed the arm64
+# instances, `dpkg -s libhwy-dev` is ambiguous (two instances) and fails as if nothing were installed.
+installed() {
+  local name="${1%%:*}" arch="$native"
+  [[ "$1" == *:* ]] && arch="${1#*:}"
+  dpkg-query -W -f='${Architecture} ${Status}\n' "$name" 2>/dev/null | grep -Eqx "($arch|all) install ok installed"
+}
 missing=()
 for pkg in "${packages[@]}"; do
   case "$pkg" in
     cmake) command -v cmake >/dev/null 2>&1 && continue ;;
     ninja-build) command -v ninja >/dev/null 2>&1 && continue ;;
   esac
-  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  installed "$pkg" || missing+=("$pkg")
 done
 
 if ((${#missing[@]})); then
