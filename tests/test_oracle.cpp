@@ -337,7 +337,7 @@ TEST(Oracle, WidenReadsStridedViews) {
   }
 }
 
-// An independent float64 statement of the chunked (WY) form for one head (docs/math.md, "The chunked (WY) form").
+// An independent float64 statement of the chunked (WY) form for one head (docs/math.md).
 void chunked_wy(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
                 const std::vector<double>& g, const std::vector<double>& beta, double scale, int64_t T,
                 int64_t K, int64_t V, int64_t C, std::vector<double>& S, std::vector<double>& o) {
