@@ -6,7 +6,8 @@ The torch layer, drop-in for flash-linear-attention's functions of the same name
 
 ``kda.engine`` is the engine itself over DLPack / buffer-protocol arrays (NumPy, torch) with
 caller-allocated outputs; it needs no torch. The torch layer (``kda.functional``, ``kda.layers`` for
-the Hugging Face ``kernels`` hub, ``kda.hub`` to build that hub folder) is imported on first use.
+the Hugging Face ``kernels`` hub, ``kda.hub`` to build that hub folder) and the serving entries
+(``kda.serving``: ``fused_recurrent_kda_fwd``, state pools updated in place) are imported on first use.
 """
 
 import importlib
@@ -28,8 +29,14 @@ simd_targets = engine.simd_targets
 CHUNK_SIZE = engine.CHUNK_SIZE
 MAX_HEAD_DIM = engine.MAX_HEAD_DIM
 
-_TORCH_FUNCTIONS = {"chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"}
-_TORCH_MODULES = {"functional", "layers", "hub", "ops"}
+# function: the module that defines it
+_TORCH_FUNCTIONS = {
+    "chunk_kda": "functional",
+    "fused_recurrent_kda": "functional",
+    "fused_kda_gate": "functional",
+    "fused_recurrent_kda_fwd": "serving",
+}
+_TORCH_MODULES = {"functional", "serving", "layers", "hub", "ops"}
 
 __all__ = ["engine", "simd_target", "simd_targets", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
 
@@ -38,7 +45,7 @@ def __getattr__(name):
     # Lazy, so that `import kda` needs no torch; relative, so that a copy imported under another name
     # (the kernels hub loader does that) uses its own modules.
     if name in _TORCH_FUNCTIONS:
-        value = getattr(importlib.import_module(".functional", __name__), name)
+        value = getattr(importlib.import_module(f".{_TORCH_FUNCTIONS[name]}", __name__), name)
         globals()[name] = value  # later lookups are plain attribute reads
         return value
     if name in _TORCH_MODULES:

@@ -1,0 +1,205 @@
+"""fla's argument conventions, shared by the drop-ins (``kda.functional``) and the serving entries
+(``kda.serving``): fla's checks with its exception types, the gate and beta modes fla's flags select,
+and the casts that give the engine tensors it reads as they are."""
+
+import math
+import warnings
+
+import torch
+
+from . import _engine
+
+RECURRENT_KWARGS = frozenset({"transpose_state_layout"})
+NAMES = ("q", "k", "v", "g", "beta")
+DEVICE_CHECKED = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias")
+_NATIVE = (torch.float32, torch.bfloat16)  # what the engine reads as it is
+
+
+def reject_unknown(function, kwargs, allowed):
+    for name in kwargs:
+        if name not in allowed:
+            raise TypeError(f"{function}() got an unexpected keyword argument '{name}'")
+
+
+def state_v_first_of(state_v_first, kwargs):
+    """fla's deprecated alias `transpose_state_layout` of `state_v_first`."""
+    if "transpose_state_layout" not in kwargs:
+        return state_v_first
+    if state_v_first:
+        raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+    warnings.warn(
+        "`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return bool(kwargs["transpose_state_layout"])
+
+
+def check_cpu(names, tensors):
+    for name, t in zip(names, tensors, strict=True):
+        if t is not None and not t.is_cpu:
+            raise NotImplementedError(
+                f"kda computes on the CPU (it has no GPU backend yet): '{name}' is on {t.device}; "
+                "move the inputs with .cpu()"
+            )
+
+
+def check_shapes(q, k, v, g, beta):
+    """fla's shape checks (the same exception types), plus what the engine supports."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or g.dim() != 4:
+        for name, t in zip(NAMES[:4], (q, k, v, g), strict=True):
+            if t.dim() != 4:
+                raise ValueError(f"kda: '{name}' must be a 4-D tensor, got shape {list(t.shape)}")
+    B, T, H, K = q.shape
+    _, _, HV, V = v.shape
+    if beta.dim() == 4:
+        raise NotImplementedError(
+            "kda: a headwise beta [B, T, HV, V] is not supported; pass one beta per token and head [B, T, HV]"
+        )
+    if H < 1 or HV < 1:
+        raise ValueError(f"kda: q and v need at least one head, got H={H}, HV={HV}")
+    if q.shape != k.shape:
+        raise AssertionError(f"q and k must have the same shape, got q={q.shape} vs k={k.shape}")
+    if K > _engine.MAX_HEAD_DIM:
+        raise AssertionError(f"Currently we only support key headdim <=256 for KDA, got {K}.")
+    if V > _engine.MAX_HEAD_DIM:
+        raise NotImplementedError(f"kda supports value head dims up to {_engine.MAX_HEAD_DIM}, got V={V}")
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"kda: v must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
+    if HV % H != 0:
+        raise AssertionError(
+            f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_qk_heads (H={H}), "
+            f"but got HV % H = {HV % H}"
+        )
+    if g.shape != (B, T, HV, K):
+        raise AssertionError(f"g must have shape [B, T, HV, K]={[B, T, HV, K]}, got {list(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise AssertionError(f"beta must have shape [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}")
+
+
+def check_varlen(q, initial_state, cu_seqlens):
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+            f"Please flatten variable-length inputs before processing."
+        )
+    if cu_seqlens.dim() != 1:
+        raise ValueError(
+            f"kda: cu_seqlens must be a 1-D tensor of N+1 offsets, got shape {list(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"kda: cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+        raise ValueError(
+            f"The number of initial states is expected to be equal to the number of input sequences, "
+            f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}."
+        )
+
+
+def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+    """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
+    messages and exception types."""
+    check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
+    check_varlen(q, initial_state, cu_seqlens)
+    check_shapes(q, k, v, g, beta)
+
+
+def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function):
+    """The engine's gate mode for fla's gate arguments."""
+    if not use_gate_in_kernel:
+        if A_log is not None or dt_bias is not None:
+            warnings.warn(
+                f"{function}: A_log and dt_bias are only used with use_gate_in_kernel=True; g is taken as "
+                "the log decay and they are not applied",
+                UserWarning,
+                stacklevel=3,
+            )
+        if lower_bound is not None and not safe_gate:
+            warnings.warn(
+                f"{function}: lower_bound is only used with use_gate_in_kernel=True (or to describe bounded "
+                "gates with safe_gate=True); it is not applied",
+                UserWarning,
+                stacklevel=3,
+            )
+        return "log_decay"
+    if A_log is None and lower_bound is None:
+        raise ValueError(
+            "`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set."
+        )
+    if lower_bound is None:
+        return "softplus"
+    if not (math.isfinite(lower_bound) and lower_bound < 0):
+        raise ValueError(f"kda: lower_bound must be a finite number < 0, got {lower_bound}")
+    return "lower_bound"
+
+
+def beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval):
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if not use_beta_sigmoid_in_kernel:
+        return "given"
+    return "sigmoid_x2" if allow_neg_eigval else "sigmoid"
+
+
+def _engine_ready(t):
+    """The engine reads any B / T / head strides but needs a contiguous last dimension (beta, 3-D, has
+    none: its heads are its last dimension and may be strided)."""
+    return t if t.stride(-1) == 1 or t.dim() < 4 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def prepare_activations(q, k, v, g, beta):
+    """Casts the activations to what the engine computes in; returns them and the states' dtype."""
+    # (dtypes are singletons, and stride()[-1] costs less than stride(-1): this is on every call)
+    qd = q.dtype
+    if (
+        qd in _NATIVE
+        and k.dtype is qd
+        and v.dtype in _NATIVE
+        and g.dtype in _NATIVE
+        and beta.dtype in _NATIVE
+        and q.stride()[-1] == 1
+        and k.stride()[-1] == 1
+        and v.stride()[-1] == 1
+        and g.stride()[-1] == 1
+    ):
+        return (q, k, v, g, beta), torch.float32  # the common case: read as they are
+    acts = (q, k, v, g, beta)
+    for name, t in zip(NAMES, acts, strict=True):
+        if not t.is_floating_point():
+            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    if any(t.dtype == torch.float64 for t in acts):
+        return tuple(_engine_ready(t.double()) for t in acts), torch.float64
+    # float16 and other narrow floats are computed in float32; q and k are read in one dtype.
+    acts = [t if t.dtype in _NATIVE else t.float() for t in acts]
+    if acts[0].dtype != acts[1].dtype:
+        acts[0], acts[1] = acts[0].float(), acts[1].float()
+    return tuple(_engine_ready(t) for t in acts), torch.float32
+
+
+def side(t, dtype):
+    """A_log, dt_bias, initial_state: packed, in the path's state dtype (a differentiable cast)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()
+
+
+def side_f32(t):
+    return None if t is None else side(t, torch.float32)
+
+
+def checked(check, run):
+    """Runs `run()`; `check()` raises fla's error for a call fla refuses. Every such call is one the
+    engine refuses too, so on the eager path `check` runs only after the engine failed (it would cost
+    as much as a one-token decode step's whole Python overhead otherwise); when torch.compile traces,
+    it runs first and costs nothing at run time."""
+    if torch.compiler.is_compiling():
+        check()
+        return run()
+    try:
+        return run()
+    except Exception as engine_error:  # re-raised below when the checks pass
+        error = engine_error
+    check()
+    raise error

@@ -1,0 +1,340 @@
+"""Serving: KDA on state pools updated in place (inference only).
+
+``fused_recurrent_kda_fwd`` is fla-core 0.6.0's batched decode entry (the one vLLM and SGLang call),
+on kda's decode kernel; ``pooled_prefill`` is the prefill that ``kda.chunk_kda`` routes to when it is
+given ``ssm_state_indices`` / ``has_initial_state``: each sequence starts from a pool slot and its final
+state goes back to that slot. Neither records a gradient (``kda.chunk_kda`` and
+``kda.fused_recurrent_kda`` are the differentiable functions).
+"""
+
+import torch
+
+from . import _ops
+from ._arguments import (
+    DEVICE_CHECKED,
+    NAMES,
+    RECURRENT_KWARGS,
+    beta_mode_of,
+    check_cpu,
+    check_shapes,
+    check_varlen,
+    gate_mode,
+    prepare_activations,
+    reject_unknown,
+    side_f32,
+    state_v_first_of,
+)
+
+__all__ = ["fused_recurrent_kda_fwd", "pooled_prefill"]
+
+
+def _serving_plain(function, tensors):
+    """Refuses a call that would record a gradient (serving updates a pool in place); returns whether
+    the tensors are plain (see _ops.inspect_inputs)."""
+    recorded, plain = _ops.inspect_inputs(tensors)
+    if recorded:
+        raise RuntimeError(
+            f"kda: {function} updates a state pool in place and records no gradient; call it under "
+            "torch.no_grad() / inference_mode (chunk_kda and fused_recurrent_kda are differentiable)"
+        )
+    return plain
+
+
+def _serving_checks(
+    function, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, indices=(None, None)
+):
+    """fla-style checks of a serving call (run by checked(): after the engine refused the call)."""
+    check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
+    check_varlen(q, None, cu_seqlens)
+    check_shapes(q, k, v, g, beta)
+    for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
+        _index_tensor(name, t)
+    acts = (q, k, v, g, beta)
+    for name, t in zip(NAMES, acts, strict=True):
+        if not t.is_floating_point():
+            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    if any(t.dtype == torch.float64 for t in acts):  # checked on the dtypes: no cast is made here
+        raise TypeError(f"kda: {function} computes in float32 / bfloat16; got float64 inputs")
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _index_tensor(name, t):
+    # (is_cpu and a module-level tuple: a decode step calls this twice, t.device costs a quarter us)
+    if t is None:
+        return None
+    if not t.is_cpu:
+        raise NotImplementedError(f"kda computes on the CPU: '{name}' is on {t.device}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"kda: '{name}' must be an int32 or int64 tensor, got {t.dtype}")
+    return t
+
+
+# ---- the pooled prefill (chunk_kda with ssm_state_indices) -----------------------------------------
+
+
+def pooled_prefill(
+    q, k, v, g, beta, pool, indices, has_initial_state, problem, *, A_log, dt_bias, path="chunk"
+):
+    """chunk_kda on a state pool, once its options are resolved (``problem``: the problem options by
+    name, see ``_ops.problem_options``): sequence n starts from slot ``indices[n]`` (zeros where
+    ``has_initial_state[n]`` is False or the index is negative) and its final state is written back
+    there. Returns (o, pool)."""
+    if pool is None:
+        raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
+    if indices is None:
+        raise ValueError("kda: has_initial_state needs ssm_state_indices (the pool slot of every sequence)")
+    out_dtype = q.dtype
+    cu_seqlens = problem.get("cu_seqlens")
+    _serving_plain("chunk_kda (pooled)", (q, k, v, g, beta, A_log, dt_bias, pool))
+    _serving_checks("chunk_kda (pooled)", q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens)
+    options = _ops.problem_options(q, **problem)
+    q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
+    if options.gate == "lower_bound" and A_log is None:
+        A_log = torch.zeros(v.shape[2])
+    flags = None
+    if has_initial_state is not None:
+        flags = (
+            has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.to(torch.uint8)
+        )
+    _, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, pool, indices, options.cu_seqlens))
+    o = _ops.pooled_forward(
+        path,
+        plain,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        side_f32(A_log),
+        side_f32(dt_bias),
+        pool,
+        _index_tensor("ssm_state_indices", indices),
+        flags,
+        *options,
+    )
+    return (o if o.dtype == out_dtype else o.to(out_dtype)), pool
+
+
+# ---- the decode (fla's fused_recurrent_kda_fwd) ------------------------------------------------------
+
+
+def fused_recurrent_kda_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    initial_state=None,
+    scale=None,
+    output_final_state=False,
+    inplace_final_state=True,
+    state_v_first=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    lower_bound=None,
+    out=None,
+    **kwargs,
+):
+    r"""Batched decode on a state pool: fla-core 0.6.0's ``fused_recurrent_kda_fwd``, the entry vLLM
+    and SGLang call, on kda's decode kernel (inference only).
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``: B requests of
+    T tokens (one, or a few speculative ones), or ``cu_seqlens`` (N + 1 offsets, zero-length requests
+    allowed) with B = 1. The gate, beta and L2-norm options are those of ``fused_recurrent_kda``.
+
+    With ``ssm_state_indices``, ``initial_state`` is the pool ``[num_slots, HV, K, V]`` (``[num_slots,
+    HV, V, K]`` with ``state_v_first``; float32 or bfloat16, each slot packed):
+      - ``[N]`` indices: request n starts from slot ``ssm_state_indices[n]`` and, with
+        ``inplace_final_state`` (the default), its final state is written back there;
+      - ``[N, C]`` indices: it starts from slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``
+        (column 0 without ``num_accepted_tokens``) and the state after its token t is written to slot
+        ``ssm_state_indices[n, t]`` (negative: not written);
+      - a negative starting index marks a padding row: nothing read or written, output rows zero.
+    An index past the pool, a slot written twice, or read by one request and written by another, and an
+    accepted count outside 1..C raise ``ValueError`` before anything is written. With
+    ``inplace_final_state=False`` the pool is left alone and the state after each request's last
+    token comes back as a new ``[N, HV, K, V]`` tensor (when ``output_final_state``).
+
+    Without ``ssm_state_indices``, ``initial_state`` is ``[N, HV, K, V]`` and is updated in place with
+    ``inplace_final_state`` (fla's behaviour), or left alone.
+
+    ``out``: an optional ``[B, T, HV, V]`` tensor of v's dtype for the output. Returns ``(o,
+    final_state)``: the pool (or the updated ``initial_state``) in place, else the new states or None.
+    """
+    reject_unknown("fused_recurrent_kda_fwd", kwargs, RECURRENT_KWARGS)
+    state_v_first = state_v_first_of(state_v_first, kwargs)
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda_fwd")
+    if gate == "log_decay":
+        A_log = dt_bias = None
+    beta_mode = beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if num_accepted_tokens is not None and ssm_state_indices is None:
+        raise ValueError("kda: num_accepted_tokens needs ssm_state_indices (speculative decoding on a pool)")
+    if ssm_state_indices is not None and initial_state is None:
+        raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
+    plain = _serving_plain(
+        "fused_recurrent_kda_fwd", (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out)
+    )
+
+    # What fla's checks read (a tuple, not a closure: cells would cost a decode step 0.3 us).
+    checked = (
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        initial_state,
+        cu_seqlens,
+        (ssm_state_indices, num_accepted_tokens),
+    )
+
+    # The engine validates every argument before it writes anything; fla's checks run only when it
+    # refused the call (they would cost as much as the rest of a decode step's Python layer), or first
+    # when torch.compile traces (_arguments.checked, spelled out: this is the decode step).
+    if torch.compiler.is_compiling():
+        _serving_checks("fused_recurrent_kda_fwd", *checked)
+    try:
+        return _decode(
+            plain,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            # (_ops.problem_options' two defaults, spelled out: its keyword pass-through would cost
+            # a decode step 0.7 us)
+            _ops.Options(
+                cu_seqlens=cu_seqlens,
+                scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+                state_v_first=bool(state_v_first),
+                qk_l2norm=bool(use_qk_l2norm_in_kernel),
+                gate=gate,
+                gate_lower_bound=float(-5.0 if lower_bound is None else lower_bound),
+                beta_mode=beta_mode,
+            ),
+            A_log,
+            dt_bias,
+            initial_state,
+            output_final_state,
+            inplace_final_state,
+            ssm_state_indices,
+            num_accepted_tokens,
+            out,
+        )
+    except Exception as engine_error:  # re-raised below when the checks pass
+        error = engine_error
+    _serving_checks("fused_recurrent_kda_fwd", *checked)
+    raise error
+
+
+def _decode(
+    plain,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    options,
+    A_log,
+    dt_bias,
+    initial_state,
+    output_final_state,
+    inplace_final_state,
+    ssm_state_indices,
+    num_accepted_tokens,
+    out,
+):
+    """fused_recurrent_kda_fwd once its options are resolved (``options``: the call's _ops.Options)."""
+    out_dtype = v.dtype
+    (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
+    if state_dtype == torch.float64:
+        raise TypeError("kda: fused_recurrent_kda_fwd computes in float32 / bfloat16; got float64 inputs")
+    indices = _index_tensor("ssm_state_indices", ssm_state_indices)
+    accepted = _index_tensor("num_accepted_tokens", num_accepted_tokens)
+    # (the shapes only where they are needed: a decode step on a pool needs none)
+    cu_seqlens = options.cu_seqlens
+    N = (
+        None
+        if indices is not None and inplace_final_state
+        else v.shape[0]
+        if cu_seqlens is None
+        else cu_seqlens.shape[0] - 1
+    )
+
+    if indices is None:
+        if initial_state is None:
+            _, _, HV, V = v.shape
+            K = q.shape[-1]
+            state = (HV, V, K) if options.state_v_first else (HV, K, V)
+            pool, returned = torch.zeros((N, *state)), True
+        elif inplace_final_state:
+            pool, returned = initial_state, True
+        else:
+            pool, returned = initial_state.clone(), output_final_state
+        indices = torch.arange(N)
+    elif inplace_final_state:
+        pool, returned = initial_state, True
+    else:  # the pool stays as it is: the starting states are gathered into a pool of N slots
+        pool, indices = _gather_starting_states(initial_state, indices, accepted, N)
+        accepted, returned = None, output_final_state
+
+    o = None  # the engine's output buffer: out itself when it is of the compute dtype
+    if out is not None:
+        if out.shape != v.shape or out.dtype != out_dtype:
+            raise ValueError(
+                f"kda: out must be a [B, T, HV, V] = {list(v.shape)} tensor of v's dtype {out_dtype}, got "
+                f"{list(out.shape)} {out.dtype}"
+            )
+        o = out if out.dtype == v.dtype and out.stride(-1) == 1 else None
+    if o is None:
+        o = torch.empty_like(v) if v.is_contiguous() else torch.empty(v.shape, dtype=v.dtype)
+    if options.gate == "lower_bound" and A_log is None:
+        A_log = torch.zeros(v.shape[2])
+    _ops.decode(
+        plain,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        side_f32(A_log),
+        side_f32(dt_bias),
+        pool,
+        indices,
+        accepted,
+        *options,
+        o,
+    )
+    if out is not None and o is not out:
+        out.copy_(o)
+        o = out
+    elif o.dtype != out_dtype:
+        o = o.to(out_dtype)
+    return o, (pool if returned else None)
+
+
+def _gather_starting_states(pool, indices, accepted, N):
+    """The state each request starts from, as a fresh pool of N slots (padding rows zero, index -1)."""
+    table = indices.reshape(N, -1).long()
+    column = torch.zeros(N, dtype=torch.long) if accepted is None else accepted.long() - 1
+    if accepted is not None and ((column < 0) | (column >= table.shape[1])).any():
+        raise ValueError(
+            f"kda: num_accepted_tokens must lie in 1..{table.shape[1]} (the columns of ssm_state_indices)"
+        )
+    start = table.gather(1, column.view(N, 1)).view(N)
+    if (start >= pool.shape[0]).any():
+        raise ValueError(f"kda: ssm_state_indices has an index past the pool's {pool.shape[0]} slots")
+    valid = start >= 0
+    gathered = torch.zeros((N, *pool.shape[1:]), dtype=pool.dtype)
+    gathered[valid] = pool[start[valid]]
+    return gathered, torch.where(valid, torch.arange(N), torch.full((N,), -1))
