@@ -261,15 +261,9 @@ def _decode(
         raise TypeError("kda: fused_recurrent_kda_fwd computes in float32 / bfloat16; got float64 inputs")
     indices = _index_tensor("ssm_state_indices", ssm_state_indices)
     accepted = _index_tensor("num_accepted_tokens", num_accepted_tokens)
-    # (the shapes only where they are needed: a decode step on a pool needs none)
-    cu_seqlens = options.cu_seqlens
-    N = (
-        None
-        if indices is not None and inplace_final_state
-        else v.shape[0]
-        if cu_seqlens is None
-        else cu_seqlens.shape[0] - 1
-    )
+    N = None  # the number of requests, needed unless a pool is updated in place (a decode step)
+    if indices is None or not inplace_final_state:
+        N = v.shape[0] if options.cu_seqlens is None else options.cu_seqlens.shape[0] - 1
 
     if indices is None:
         if initial_state is None:
