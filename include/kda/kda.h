@@ -13,10 +13,12 @@
  *
  * Versioning: every struct passed by pointer starts with `struct_size`. Set it to the struct's size
  * (the KDA_*_INIT initialisers and kda_problem_default() do) or leave it 0, which means the layout of
- * this header's first version (kda 0.2). Later versions only append fields (kda_problem's gate_width
- * came after 0.2.0): a library reads a shorter struct with the appended fields at their defaults, and
- * a library older than the header a caller was built with rejects a call that sets one it does not
- * know (nonzero bytes past its own struct) with KDA_ERROR_NOT_SUPPORTED. Tensor views (kda_input,
+ * this header's first version (kda 0.2). Later versions only append fields, after the padding that
+ * ended the struct they extend (a caller's padding bytes are undefined, so a new field never reuses
+ * them): a library reads a shorter struct with the appended fields at their defaults, and a library
+ * older than the header a caller was built with rejects a call that sets one it does not know
+ * (nonzero bytes past its own struct) with KDA_ERROR_NOT_SUPPORTED. kda_problem's gate_width came in
+ * 0.3. Tensor views (kda_input,
  * kda_output, kda_index_view) never change. Structs from before 0.2 (without struct_size) are not compatible.
  *
  * Error handling: every function returns a kda_status. On anything but KDA_OK, kda_last_error()
@@ -86,8 +88,8 @@ enum {
 
 /* How many log decays a token has per value head (the operator family). */
 enum {
-  KDA_GATE_PER_KEY = 0, /* KDA: g [B, T, HV, K], dt_bias [HV * K] */
-  KDA_GATE_PER_HEAD = 1 /* the gated delta rule: g [B, T, HV], dt_bias [HV]; not in the kernels yet */
+  KDA_GATE_WIDTH_PER_KEY = 0, /* KDA: g [B, T, HV, K], dt_bias [HV * K] */
+  KDA_GATE_WIDTH_PER_HEAD = 1 /* the gated delta rule: g [B, T, HV], dt_bias [HV]; not in the kernels yet */
 };
 
 /* How `beta` becomes the delta-rule step size. */
@@ -120,8 +122,9 @@ typedef struct kda_problem {
   int32_t gate;           /* KDA_GATE_* (default LOG_DECAY) */
   float gate_lower_bound; /* KDA_GATE_LOWER_BOUND only; must be < 0 (default -5) */
   int32_t beta_mode;      /* KDA_BETA_* (default GIVEN) */
-  /* Appended after 0.2.0 (see Versioning): */
-  int32_t gate_width; /* KDA_GATE_PER_* (default PER_KEY) */
+  int32_t reserved0;      /* the 0.2 layout's trailing padding: ignored, never a field (see Versioning) */
+  /* Appended in 0.3 (see Versioning): */
+  int32_t gate_width; /* KDA_GATE_WIDTH_* (default PER_KEY) */
 } kda_problem;
 
 /* ---- tensor views ------------------------------------------------------------------------------- */

@@ -23,8 +23,8 @@ static_assert(KDA_STATE_V_FIRST == static_cast<int>(kda::StateLayout::v_first));
 static_assert(KDA_GATE_LOG_DECAY == static_cast<int>(kda::GateMode::log_decay));
 static_assert(KDA_GATE_SOFTPLUS == static_cast<int>(kda::GateMode::softplus));
 static_assert(KDA_GATE_LOWER_BOUND == static_cast<int>(kda::GateMode::lower_bound));
-static_assert(KDA_GATE_PER_KEY == static_cast<int>(kda::GateWidth::per_key));
-static_assert(KDA_GATE_PER_HEAD == static_cast<int>(kda::GateWidth::per_head));
+static_assert(KDA_GATE_WIDTH_PER_KEY == static_cast<int>(kda::GateWidth::per_key));
+static_assert(KDA_GATE_WIDTH_PER_HEAD == static_cast<int>(kda::GateWidth::per_head));
 static_assert(KDA_BETA_GIVEN == static_cast<int>(kda::BetaMode::given));
 static_assert(KDA_BETA_SIGMOID == static_cast<int>(kda::BetaMode::sigmoid));
 static_assert(KDA_BETA_SIGMOID_X2 == static_cast<int>(kda::BetaMode::sigmoid_x2));
@@ -54,8 +54,9 @@ void set_error(const char* prefix, const char* message) {
   throw kda::Error(std::string(function) + ": argument '" + arg + "' is NULL (expected a " + type + ")");
 }
 
-// The size of a struct's first layout (kda 0.2.0), which struct_size 0 stands for. Fields appended
-// since are read as zero (their defaults) from a caller built against an older header.
+// The size of a struct's first layout (kda 0.2), which struct_size 0 stands for. Fields appended
+// since are read as zero (their defaults) from a caller built against an older header. kda_problem's
+// first layout ended in 4 bytes of padding (reserved0 now), so its appended fields start after them.
 template <typename T>
 constexpr size_t first_layout_size() {
   if constexpr (std::is_same_v<T, kda_problem>)
@@ -63,6 +64,8 @@ constexpr size_t first_layout_size() {
   else
     return sizeof(T);
 }
+static_assert(offsetof(kda_problem, gate_width) == offsetof(kda_problem, beta_mode) + 8,
+              "kda_problem's first layout ends 4 bytes of padding after beta_mode");
 
 // Reads a caller's struct (see Versioning in kda.h): struct_size 0 means the first layout; fields a
 // newer header added must be zero (else the call asks for something this build does not have).
