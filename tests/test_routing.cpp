@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstddef>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -145,6 +146,13 @@ TEST(Routing, OneRuleForEveryEntryPoint) {
   EXPECT_STREQ(kernel_name(r.kernel), "recurrent forward");
   EXPECT_STREQ(entry_name(Entry::decode), "decode");
 
+  Call wrong(100);
+  EXPECT_THROW(forward(Entry::decode, prepare(wrong.p), wrong.in, wrong.out), Error);
+  EXPECT_THROW(forward(Entry::chunk_backward, prepare(wrong.p), wrong.in, wrong.out), Error);
+  EXPECT_THROW(chunk_forward(Prepared{}, wrong.in, wrong.out), Error) << "an empty Prepared";
+  EXPECT_THROW((void)Prepared{}.shapes(), Error);
+  EXPECT_EQ(wrong.o[0], kSentinel);
+
   RunOptions bad;
   bad.forward_kernel = static_cast<ForwardKernel>(7);
   EXPECT_THROW(route(Entry::chunk_forward, longer, bad), Error);
@@ -196,13 +204,13 @@ TEST(GateWidth, PerHeadIsValidatedThenRefusedByTheKernels) {
 TEST(GateWidth, ThroughTheCAbi) {
   Call c(20, GateWidth::per_head);
   kda_problem p = kda_problem_default();
-  EXPECT_EQ(p.gate_width, KDA_GATE_PER_KEY);
+  EXPECT_EQ(p.gate_width, KDA_GATE_WIDTH_PER_KEY);
   p.seq_len = 20;
   p.heads = 1;
   p.value_heads = 2;
   p.key_dim = 8;
   p.value_dim = 4;
-  p.gate_width = KDA_GATE_PER_HEAD;
+  p.gate_width = KDA_GATE_WIDTH_PER_HEAD;
   kda_forward_inputs in = KDA_FORWARD_INPUTS_INIT;
   in.q = kda_make_input(c.q.data(), KDA_DTYPE_F32, &p, 1, 8);
   in.k = kda_make_input(c.k.data(), KDA_DTYPE_F32, &p, 1, 8);
@@ -213,11 +221,23 @@ TEST(GateWidth, ThroughTheCAbi) {
   out.o = kda_make_output(c.o.data(), KDA_DTYPE_F32, &p, 2, 4);
   EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kda_last_error()).find("not supported yet"), std::string::npos) << kda_last_error();
-  // struct_size 0 is the first (0.2.0) layout, without gate_width: the appended field reads as per_key.
-  p.struct_size = 0;
+  // A caller built against 0.2 passes struct_size 0 or the 0.2 size (which ended in padding, whose
+  // bytes are undefined): the appended gate_width reads as per_key and the padding is ignored.
   std::vector<float> g_wide(static_cast<size_t>(20 * 2 * 8), -0.5f);
   in.g = kda_make_input(g_wide.data(), KDA_DTYPE_F32, &p, 2, 8);
-  EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_OK) << kda_last_error();
+  p.reserved0 = 0x7fff;
+  for (uint32_t size : {0u, static_cast<uint32_t>(offsetof(kda_problem, gate_width))}) {
+    p.struct_size = size;
+    EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_OK) << size << ": " << kda_last_error();
+  }
+  // A caller of a newer header that sets a field this build lacks is told so.
+  struct Newer {
+    kda_problem p;
+    int64_t field_of_a_later_version;
+  } newer{p, 1};
+  newer.p.struct_size = sizeof(Newer);
+  newer.p.gate_width = KDA_GATE_WIDTH_PER_KEY;
+  EXPECT_EQ(kda_chunk_forward(&newer.p, &in, &out, nullptr), KDA_ERROR_NOT_SUPPORTED);
 }
 
 }  // namespace

@@ -119,6 +119,7 @@ class Prepared {
 
  private:
   friend Prepared prepare(const Problem& p);
+  const Impl& impl() const;  // throws kda::Error for a default-constructed Prepared
   std::shared_ptr<const Impl> impl_;
 };
 

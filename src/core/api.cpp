@@ -39,9 +39,14 @@ Prepared prepare(const Problem& p) {
   return out;
 }
 
-const Problem& Prepared::problem() const { return impl_->plan.problem; }
-const Shapes& Prepared::shapes() const { return impl_->shapes; }
-const core::Plan& Prepared::plan() const { return impl_->plan; }
+// A default-constructed Prepared holds nothing: every use of it is an error, not a null dereference.
+const Prepared::Impl& Prepared::impl() const {
+  if (!impl_) throw Error("kda: argument 'problem': an empty kda::Prepared; make one with kda::prepare()");
+  return *impl_;
+}
+const Problem& Prepared::problem() const { return impl().plan.problem; }
+const Shapes& Prepared::shapes() const { return impl().shapes; }
+const core::Plan& Prepared::plan() const { return impl().plan; }
 
 int64_t num_sequences(const Problem& p) { return prepare(p).shapes().sequences; }
 int64_t num_chunks(const Problem& p) { return prepare(p).shapes().chunks; }
@@ -50,6 +55,9 @@ int64_t num_chunks(const Problem& p) { return prepare(p).shapes().chunks; }
 
 void forward(Entry entry, const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
              const RunOptions& opt) {
+  if (entry != Entry::chunk_forward && entry != Entry::recurrent_forward)
+    throw Error(std::string("kda: argument 'entry': expected chunk_forward or recurrent_forward, got ") +
+                entry_name(entry));
   const core::Plan plan = core::plan_forward(p.plan(), in, out);
   const core::Backend& b = core::backend_for(plan);
   switch (core::route(entry, plan, b, opt, out.chunk_states != nullptr).kernel) {
@@ -62,18 +70,21 @@ void forward(Entry entry, const Prepared& p, const ForwardInputs& in, const Forw
       dout.o = out.o;
       return b.decode(plan, din, dout, opt);
     }
-    default: throw Error(std::string("kda: argument 'entry': ") + entry_name(entry) + " is not a forward");
+    default: throw Error("kda: internal error: a forward routed to a backward kernel");
   }
 }
 
 void backward(Entry entry, const Prepared& p, const BackwardInputs& in, const BackwardOutputs& out,
               const RunOptions& opt) {
+  if (entry != Entry::chunk_backward && entry != Entry::recurrent_backward)
+    throw Error(std::string("kda: argument 'entry': expected chunk_backward or recurrent_backward, got ") +
+                entry_name(entry));
   const core::Plan plan = core::plan_backward(p.plan(), in, out);
   const core::Backend& b = core::backend_for(plan);
   switch (core::route(entry, plan, b, opt, in.chunk_states != nullptr).kernel) {
     case KernelId::chunked_backward: return b.chunk_backward(plan, in, out, opt);
     case KernelId::recurrent_backward: return b.recurrent_backward(plan, in, out, opt);
-    default: throw Error(std::string("kda: argument 'entry': ") + entry_name(entry) + " is not a backward");
+    default: throw Error("kda: internal error: a backward routed to a forward kernel");
   }
 }
 

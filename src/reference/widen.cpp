@@ -25,7 +25,8 @@ std::vector<double> widen_floats(const float* src, int64_t n) {
 }  // namespace
 
 Inputs widen(const Problem& p, const ForwardInputs& in) {
-  const core::Plan plan = core::plan_problem(p);
+  const Prepared prepared = prepare(p);
+  const core::Plan& plan = prepared.plan();
   core::check_forward_inputs(plan, in);  // the kernels' own validation
   const int64_t B = p.batch, T = p.seq_len;
   Inputs r;
