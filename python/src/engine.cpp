@@ -330,8 +330,9 @@ kda::StatePool pool_view(const OutArray& a, const kda::Prepared& prepared) {
   return pool;
 }
 
-// has_initial_state: a contiguous 1-D bool / uint8 / int8 array.
-const uint8_t* flags_view(const char* arg, const InArray& a) {
+// has_initial_state: a contiguous 1-D bool / uint8 / int8 array of `count` flags (the engine takes a
+// bare pointer, so the length is checked here).
+const uint8_t* flags_view(const char* arg, const InArray& a, int64_t count) {
   check_on_cpu(arg, a);
   const auto t = a.dtype();
   const bool bytes = t.bits == 8 && t.lanes == 1 &&
@@ -341,6 +342,9 @@ const uint8_t* flags_view(const char* arg, const InArray& a) {
   if (!bytes) fail_type(arg, "expected dtype bool, uint8 or int8, got " + dtype_string(t));
   if (a.ndim() != 1 || (a.shape(0) > 1 && a.stride(0) != 1))
     fail_value(arg, "expected a contiguous 1-D array, got shape " + shape_string(a));
+  if (static_cast<int64_t>(a.shape(0)) != count)
+    fail_value(
+        arg, "expected " + std::to_string(count) + " flags (one per sequence), got shape " + shape_string(a));
   return static_cast<const uint8_t*>(data_of(a));
 }
 
@@ -362,7 +366,8 @@ void forward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, c
   if (pool) {
     pooled.pool = pool_view(*pool, p);
     pooled.indices = index_view("pool_indices", *pool_indices);
-    if (has_initial_state) pooled.has_initial_state = flags_view("has_initial_state", *has_initial_state);
+    if (has_initial_state)
+      pooled.has_initial_state = flags_view("has_initial_state", *has_initial_state, p.shapes().sequences);
     in.pooled_states = &pooled;
   }
   kda::ForwardOutputs out;
