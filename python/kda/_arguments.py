@@ -189,17 +189,28 @@ def side_f32(t):
     return None if t is None else side(t, torch.float32)
 
 
-def checked(check, run):
-    """Runs `run()`; `check()` raises fla's error for a call fla refuses. Every such call is one the
-    engine refuses too, so on the eager path `check` runs only after the engine failed (it would cost
-    as much as a one-token decode step's whole Python overhead otherwise); when torch.compile traces,
-    it runs first and costs nothing at run time."""
-    if torch.compiler.is_compiling():
-        check()
-        return run()
-    try:
-        return run()
-    except Exception as engine_error:  # re-raised below when the checks pass
-        error = engine_error
-    check()
-    raise error
+class fla_errors:
+    """A with-block that turns the engine's refusal of a call into fla's error for it: the block runs
+    the engine, which validates every argument before it writes anything; ``check(*args)`` raises
+    fla's error for a call fla refuses (every such call is one the engine refuses too). On the eager
+    path the checks run only after the engine refused (they would cost as much as a one-token decode
+    step's whole Python overhead); when torch.compile traces, they run first and cost nothing at run
+    time. A context manager, not a wrapper, so that no frame stands between the caller and the engine."""
+
+    __slots__ = ("check", "args")
+
+    def __init__(self, check, *args):
+        self.check, self.args = check, args
+
+    def __enter__(self):
+        if torch.compiler.is_compiling():
+            self.check(*self.args)
+
+    def __exit__(self, kind, error, traceback):
+        if isinstance(error, Exception):
+            try:
+                self.check(*self.args)
+            except Exception as fla_error:
+                fla_error.__suppress_context__ = True  # fla's error alone, as fla raises it
+                raise
+        return False  # the engine's own error when fla would accept the call

@@ -25,7 +25,7 @@ from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
     check_tensors,
-    checked,
+    fla_errors,
     gate_mode,
     prepare_activations,
     reject_unknown,
@@ -225,9 +225,8 @@ def chunk_kda(
             )
 
     out_dtype, h_dtype = q.dtype, k.dtype
-    o, final, chunks = checked(
-        lambda: check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias),
-        lambda: _run(
+    with fla_errors(check_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+        o, final, chunks = _run(
             "chunk",
             q,
             k,
@@ -240,8 +239,7 @@ def chunk_kda(
             initial_state=initial_state,
             output_final_state=output_final_state,
             want_chunk_states=return_intermediate_states,
-        ),
-    )
+        )
     if o.dtype != out_dtype:
         o = o.to(out_dtype)
     if not return_intermediate_states:
@@ -294,9 +292,8 @@ def fused_recurrent_kda(
     )
 
     out_dtype = v.dtype
-    o, final, _ = checked(
-        lambda: check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias),
-        lambda: _run(
+    with fla_errors(check_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+        o, final, _ = _run(
             "recurrent",
             q,
             k,
@@ -309,8 +306,7 @@ def fused_recurrent_kda(
             initial_state=initial_state,
             output_final_state=output_final_state,
             want_chunk_states=False,
-        ),
-    )
+        )
     return (o if o.dtype == out_dtype else o.to(out_dtype)), final
 
 

@@ -43,7 +43,8 @@ def _serving_plain(function, tensors):
 def _serving_checks(
     function, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, indices=(None, None)
 ):
-    """fla-style checks of a serving call (run by checked(): after the engine refused the call)."""
+    """fla-style checks of a serving call (run as _arguments.fla_errors runs them: after the engine
+    refused the call)."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, None, cu_seqlens)
     check_shapes(q, k, v, g, beta)
@@ -200,7 +201,7 @@ def fused_recurrent_kda_fwd(
 
     # The engine validates every argument before it writes anything; fla's checks run only when it
     # refused the call (they would cost as much as the rest of a decode step's Python layer), or first
-    # when torch.compile traces (_arguments.checked, spelled out: this is the decode step).
+    # when torch.compile traces (_arguments.fla_errors, spelled out: this is the decode step).
     if torch.compiler.is_compiling():
         _serving_checks("fused_recurrent_kda_fwd", *checked)
     try:
