@@ -9,6 +9,16 @@ set -euo pipefail
 # Each package is checked with dpkg; cmake and ninja also count as present when they are on PATH
 # (e.g. installed with pip).
 packages=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libgmock-dev libopenblas-dev clang-format "$@")
+# The Python side (lint.sh's ruff, setup_python.sh's .venv and extension) needs an interpreter that
+# makes virtual environments and has its C headers. Debian ships those in separate packages; an
+# interpreter that already has them (pyenv's, say) needs none.
+python="${KDA_PYTHON:-python3}"
+if ! "$python" -c "import ensurepip, venv" >/dev/null 2>&1; then
+  packages+=(python3 python3-venv)
+fi
+if ! "$python" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" >/dev/null 2>&1; then
+  packages+=(python3-dev)
+fi
 native=$(dpkg --print-architecture)
 # Whether NAME[:ARCH] is installed for ARCH (default: this machine's architecture; an Architecture: all
 # package counts for any). Asked per architecture because once test_arm.sh has installed the arm64
