@@ -41,6 +41,19 @@ _CHUNK_KWARGS = frozenset(
 )
 
 
+def _problem(cu_seqlens, scale, state_v_first, qk_l2norm, gate, lower_bound, beta_sigmoid, allow_neg_eigval):
+    """The problem options (``_ops.problem_options``' names) of fla's flags, shared by both drop-ins."""
+    return dict(
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        state_v_first=bool(state_v_first),
+        qk_l2norm=bool(qk_l2norm),
+        gate=gate,
+        gate_lower_bound=lower_bound,
+        beta_mode=beta_mode_of(beta_sigmoid, allow_neg_eigval),
+    )
+
+
 def _run(
     path, q, k, v, g, beta, problem, *, A_log, dt_bias, initial_state, output_final_state, want_chunk_states
 ):
@@ -185,14 +198,15 @@ def chunk_kda(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, "chunk_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
-    problem = dict(
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        state_v_first=bool(state_v_first),
-        qk_l2norm=bool(use_qk_l2norm_in_kernel),
-        gate=gate,
-        gate_lower_bound=lower_bound,
-        beta_mode=beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval),
+    problem = _problem(
+        cu_seqlens,
+        scale,
+        state_v_first,
+        use_qk_l2norm_in_kernel,
+        gate,
+        lower_bound,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
     )
 
     if pooled:
@@ -281,14 +295,15 @@ def fused_recurrent_kda(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
-    problem = dict(
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        state_v_first=bool(state_v_first),
-        qk_l2norm=bool(use_qk_l2norm_in_kernel),
-        gate=gate,
-        gate_lower_bound=lower_bound,
-        beta_mode=beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval),
+    problem = _problem(
+        cu_seqlens,
+        scale,
+        state_v_first,
+        use_qk_l2norm_in_kernel,
+        gate,
+        lower_bound,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
     )
 
     out_dtype = v.dtype
