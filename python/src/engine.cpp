@@ -567,35 +567,43 @@ NB_MODULE(_engine, m) {
   m.def("validation_count", &kda::validation_count,
         "How many problems this process has validated (one per engine call; for tests).");
 
+  // A second copy of this module in the process (the kernels hub loads kda under another name) finds
+  // Problem registered by the first: nanobind shares types within a domain, which is this version's
+  // (python/CMakeLists.txt), so both copies have the same kda::Prepared and share the one type.
+  if (nb::handle existing = nb::type<kda::Prepared>(); existing.is_valid()) {
+    m.attr("Problem") = existing;
+  } else {
+    nb::class_<kda::Prepared>(m, "Problem",
+                              "A validated problem (prepare()): its shapes, for sizing tensors.")
+        .def_prop_ro("num_sequences", [](const kda::Prepared& p) { return p.shapes().sequences; })
+        .def_prop_ro("num_chunks", [](const kda::Prepared& p) { return p.shapes().chunks; })
+        .def_prop_ro(
+            "state_shape", [](const kda::Prepared& p) { return dims_tuple(p.shapes().state, 1); },
+            "(HV, K, V) or (HV, V, K): one sequence's state in the problem's layout.")
+        .def_prop_ro("gate_dim", [](const kda::Prepared& p) { return p.shapes().gate_dim; })
+        .def(
+            "route",
+            [](const kda::Prepared& p, const std::string& entry, bool chunk_states) {
+              static const std::pair<const char*, kda::Entry> entries[] = {
+                  {"chunk_forward", kda::Entry::chunk_forward},
+                  {"recurrent_forward", kda::Entry::recurrent_forward},
+                  {"chunk_backward", kda::Entry::chunk_backward},
+                  {"recurrent_backward", kda::Entry::recurrent_backward},
+                  {"decode", kda::Entry::decode}};
+              for (const auto& [name, e] : entries)
+                if (entry == name) {
+                  const kda::Route r = kda::route(e, p, {}, chunk_states);
+                  return nb::make_tuple(kda::kernel_name(r.kernel), r.backend, r.reason);
+                }
+              fail_value("entry",
+                         "expected one of chunk_forward, recurrent_forward, chunk_backward, "
+                         "recurrent_backward, decode; got '" +
+                             entry + "'");
+            },
+            nb::arg("entry"), nb::arg("chunk_states") = false,
+            "(kernel, backend, reason): what the entry point runs for this problem, and why.");
+  }
   // The problem options, defined once: prepare() is the only function that takes them.
-  nb::class_<kda::Prepared>(m, "Problem", "A validated problem (prepare()): its shapes, for sizing tensors.")
-      .def_prop_ro("num_sequences", [](const kda::Prepared& p) { return p.shapes().sequences; })
-      .def_prop_ro("num_chunks", [](const kda::Prepared& p) { return p.shapes().chunks; })
-      .def_prop_ro(
-          "state_shape", [](const kda::Prepared& p) { return dims_tuple(p.shapes().state, 1); },
-          "(HV, K, V) or (HV, V, K): one sequence's state in the problem's layout.")
-      .def_prop_ro("gate_dim", [](const kda::Prepared& p) { return p.shapes().gate_dim; })
-      .def(
-          "route",
-          [](const kda::Prepared& p, const std::string& entry, bool chunk_states) {
-            static const std::pair<const char*, kda::Entry> entries[] = {
-                {"chunk_forward", kda::Entry::chunk_forward},
-                {"recurrent_forward", kda::Entry::recurrent_forward},
-                {"chunk_backward", kda::Entry::chunk_backward},
-                {"recurrent_backward", kda::Entry::recurrent_backward},
-                {"decode", kda::Entry::decode}};
-            for (const auto& [name, e] : entries)
-              if (entry == name) {
-                const kda::Route r = kda::route(e, p, {}, chunk_states);
-                return nb::make_tuple(kda::kernel_name(r.kernel), r.backend, r.reason);
-              }
-            fail_value("entry",
-                       "expected one of chunk_forward, recurrent_forward, chunk_backward, "
-                       "recurrent_backward, decode; got '" +
-                           entry + "'");
-          },
-          nb::arg("entry"), nb::arg("chunk_states") = false,
-          "(kernel, backend, reason): what the entry point runs for this problem, and why.");
   m.def("prepare", &prepare, nb::arg("q"), nb::arg("v"), nb::arg("cu_seqlens").none() = nb::none(),
         nb::arg("scale").none() = nb::none(), nb::arg("state_v_first") = false, nb::arg("qk_l2norm") = false,
         nb::arg("gate") = "log_decay", nb::arg("gate_lower_bound") = -5.0f, nb::arg("beta_mode") = "given",
