@@ -1,9 +1,10 @@
 // The seams of a call: one problem validation (prepare), the shapes query, the one routing rule, the
-// backend's "can you run this plan" (a per-head gate, not in the kernels yet) and the C ABI's
-// appended gate_width field.
+// backend's "can you run this plan" (a per-head gate, not in the kernels yet, computed by the float64
+// oracle) and the C ABI's appended gate_width field.
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <functional>
@@ -197,8 +198,98 @@ TEST(GateWidth, PerHeadIsValidatedThenRefusedByTheKernels) {
   Problem unknown = c.p;
   unknown.gate_width = static_cast<GateWidth>(5);
   expect_error_naming([&] { prepare(unknown); }, "gate_width", "expected per_key");
-  reference::Inputs ri;
-  expect_error_naming([&] { reference::forward(prepare(c.p), ri); }, "gate_width", "float64 oracle");
+}
+
+// The float64 oracle's per-head gate, for the gated delta rule's kernels to be checked against.
+struct OracleCase {
+  Problem p;
+  reference::Inputs in;
+  std::vector<double> d_o, d_final;
+};
+
+OracleCase oracle_case(GateWidth width) {
+  OracleCase c;
+  c.p.seq_len = 7;
+  c.p.heads = 1;
+  c.p.value_heads = 2;
+  c.p.key_dim = 3;
+  c.p.value_dim = 2;
+  c.p.gate = GateMode::softplus;
+  c.p.beta = BetaMode::sigmoid;
+  c.p.qk_l2norm = true;
+  c.p.gate_width = width;
+  uint64_t state = 12345;
+  auto next = [&] {  // deterministic values in [-1, 1)
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<double>(state >> 11) / static_cast<double>(1ull << 52) - 1.0;
+  };
+  auto fill = [&](std::vector<double>& x, size_t n, double scale) {
+    x.resize(n);
+    for (double& e : x) e = scale * next();
+  };
+  const size_t T = 7, HV = 2, K = 3, V = 2, G = width == GateWidth::per_head ? 1 : K;
+  fill(c.in.q, T * K, 1.0);
+  fill(c.in.k, T * K, 1.0);
+  fill(c.in.v, T * HV * V, 1.0);
+  fill(c.in.g, T * HV * G, 2.0);
+  fill(c.in.beta, T * HV, 2.0);
+  fill(c.in.A_log, HV, 1.0);
+  fill(c.in.dt_bias, HV * G, 0.5);
+  fill(c.in.initial_state, HV * K * V, 1.0);
+  fill(c.d_o, T * HV * V, 1.0);
+  fill(c.d_final, HV * K * V, 1.0);
+  return c;
+}
+
+TEST(GateWidth, OraclePerHeadIsTheGateOfEveryKeyChannel) {
+  OracleCase head = oracle_case(GateWidth::per_head), key = oracle_case(GateWidth::per_key);
+  key.in = head.in;  // the same draws; the per-key gate repeats the head's gate in every channel
+  key.in.g.clear();
+  key.in.dt_bias.clear();
+  for (double x : head.in.g) key.in.g.insert(key.in.g.end(), 3, x);
+  for (double x : head.in.dt_bias) key.in.dt_bias.insert(key.in.dt_bias.end(), 3, x);
+  const reference::ForwardResult fh = reference::forward(head.p, head.in),
+                                 fk = reference::forward(key.p, key.in);
+  EXPECT_EQ(fh.o, fk.o);
+  EXPECT_EQ(fh.final_state, fk.final_state);
+  const reference::Gradients gh = reference::backward(head.p, head.in, head.d_o, head.d_final);
+  const reference::Gradients gk = reference::backward(key.p, key.in, head.d_o, head.d_final);
+  EXPECT_EQ(gh.dq, gk.dq);
+  EXPECT_EQ(gh.dv, gk.dv);
+  EXPECT_EQ(gh.dA_log, gk.dA_log);
+  ASSERT_EQ(gh.dg.size() * 3, gk.dg.size());
+  for (size_t i = 0; i < gh.dg.size(); ++i)
+    EXPECT_NEAR(gh.dg[i], gk.dg[3 * i] + gk.dg[3 * i + 1] + gk.dg[3 * i + 2],
+                1e-14 * (1 + std::abs(gh.dg[i])));
+  for (size_t i = 0; i < gh.ddt_bias.size(); ++i)
+    EXPECT_NEAR(gh.ddt_bias[i], gk.ddt_bias[3 * i] + gk.ddt_bias[3 * i + 1] + gk.ddt_bias[3 * i + 2],
+                1e-14 * (1 + std::abs(gh.ddt_bias[i])));
+}
+
+TEST(GateWidth, OraclePerHeadGradientsMatchFiniteDifferences) {
+  OracleCase c = oracle_case(GateWidth::per_head);
+  auto loss = [&](const reference::Inputs& in) {
+    const reference::ForwardResult f = reference::forward(c.p, in);
+    double l = 0;
+    for (size_t i = 0; i < f.o.size(); ++i) l += f.o[i] * c.d_o[i];
+    for (size_t i = 0; i < f.final_state.size(); ++i) l += f.final_state[i] * c.d_final[i];
+    return l;
+  };
+  const reference::Gradients gr = reference::backward(c.p, c.in, c.d_o, c.d_final);
+  auto check = [&](std::vector<double> reference::Inputs::*field, const std::vector<double>& grad) {
+    ASSERT_EQ((c.in.*field).size(), grad.size());
+    for (size_t i = 0; i < grad.size(); ++i) {
+      reference::Inputs plus = c.in, minus = c.in;
+      const double h = 1e-6;
+      (plus.*field)[i] += h;
+      (minus.*field)[i] -= h;
+      EXPECT_NEAR(grad[i], (loss(plus) - loss(minus)) / (2 * h), 1e-7) << i;
+    }
+  };
+  check(&reference::Inputs::g, gr.dg);
+  check(&reference::Inputs::dt_bias, gr.ddt_bias);
+  check(&reference::Inputs::A_log, gr.dA_log);
+  check(&reference::Inputs::beta, gr.dbeta);
 }
 
 TEST(GateWidth, ThroughTheCAbi) {

@@ -45,7 +45,7 @@ Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector
   gr.d_initial_state.assign(s.states_size(s.N), 0.0);
   if (fused) {
     gr.dA_log.assign(static_cast<size_t>(HV), 0.0);
-    gr.ddt_bias.assign(static_cast<size_t>(HV * K), 0.0);
+    gr.ddt_bias.assign(static_cast<size_t>(HV * s.G), 0.0);
   }
 
   // states[i] is the state after i tokens of the current segment (states[0]: entering it).
@@ -170,13 +170,16 @@ Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector
           }
           const double* graw = in.g.data() + s.g(b, t, hv);
           double* dgt = gr.dg.data() + s.g(b, t, hv);
+          // A per-head gate is every key channel's gate: its gradient sums the channels'.
           for (int64_t d = 0; d < K; ++d) {
-            const double x = graw[d];
-            const double bias = detail::gate_bias(in, hv, K, d);
-            dgt[d] = dgl[d] * core::gate_derivative(gate, x, a, bias, lb);
+            const int64_t gi = s.gate_index(d);
+            const double x = graw[gi];
+            const double bias = detail::gate_bias(in, s, hv, d);
+            const double dx = dgl[d] * core::gate_derivative(gate, x, a, bias, lb);
+            dgt[gi] += dx;
             if (fused) {
               gr.dA_log[hv] += dgl[d] * core::gate_derivative_A_log(gate, x, a, bias, lb);
-              gr.ddt_bias[hv * K + d] += dgt[d];
+              gr.ddt_bias[hv * s.G + gi] += dx;
             }
           }
           gr.dbeta[s.beta(b, t, hv)] = dbeta * core::beta_derivative(p.beta, in.beta[s.beta(b, t, hv)]);

@@ -29,6 +29,7 @@ inline void check_size(const std::string& name, const std::vector<double>& v, si
 // Packed [B, T, heads, dim] offsets and the state size of a plan.
 struct Shape {
   int64_t B, T, H, HV, K, V, N;
+  int64_t G;  // gate values per token and value head: K, or 1 for a per-head (scalar) gate
 
   explicit Shape(const core::Plan& plan)
       : B(plan.problem.batch),
@@ -37,30 +38,30 @@ struct Shape {
         HV(plan.HV),
         K(plan.K),
         V(plan.V),
-        N(plan.num_sequences()) {}
+        N(plan.num_sequences()),
+        G(plan.gate_dim) {}
+
+  // Where key channel d of a token's gate is: its own value, or the head's one value.
+  int64_t gate_index(int64_t d) const { return G == 1 ? 0 : d; }
 
   size_t qk(int64_t b, int64_t t, int64_t h) const { return static_cast<size_t>(((b * T + t) * H + h) * K); }
   size_t v(int64_t b, int64_t t, int64_t hv) const {
     return static_cast<size_t>(((b * T + t) * HV + hv) * V);
   }
   size_t g(int64_t b, int64_t t, int64_t hv) const {
-    return static_cast<size_t>(((b * T + t) * HV + hv) * K);
+    return static_cast<size_t>(((b * T + t) * HV + hv) * G);
   }
   size_t beta(int64_t b, int64_t t, int64_t hv) const { return static_cast<size_t>((b * T + t) * HV + hv); }
 
   size_t qk_size() const { return static_cast<size_t>(B * T * H * K); }
   size_t v_size() const { return static_cast<size_t>(B * T * HV * V); }
-  size_t g_size() const { return static_cast<size_t>(B * T * HV * K); }
+  size_t g_size() const { return static_cast<size_t>(B * T * HV * G); }
   size_t beta_size() const { return static_cast<size_t>(B * T * HV); }
   size_t states_size(int64_t count) const { return static_cast<size_t>(count * HV * K * V); }
 };
 
 // Every vector of `in` against the problem; throws kda::Error naming the field.
 inline void check_inputs(const core::Plan& plan, const Inputs& in) {
-  if (plan.per_head_gate())
-    throw Error(
-        "kda: argument 'gate_width': per_head (the gated delta rule's scalar gate) is not supported yet by "
-        "the float64 oracle");
   Shape s(plan);
   check_size("q", in.q, s.qk_size(), false);
   check_size("k", in.k, s.qk_size(), false);
@@ -69,7 +70,7 @@ inline void check_inputs(const core::Plan& plan, const Inputs& in) {
   check_size("beta", in.beta, s.beta_size(), false);
   if (plan.fused_gate()) {
     check_size("A_log", in.A_log, static_cast<size_t>(s.HV), false);
-    check_size("dt_bias", in.dt_bias, static_cast<size_t>(s.HV * s.K), true);
+    check_size("dt_bias", in.dt_bias, static_cast<size_t>(s.HV * s.G), true);
   } else {
     // Without a fused gate there is no A_log or dt_bias to use: passing one is a mistake.
     check_size("A_log", in.A_log, 0, false);
@@ -94,8 +95,9 @@ inline double gate_a(const core::Plan& plan, const Inputs& in, int64_t hv) {
   return plan.fused_gate() ? std::exp(in.A_log[hv]) : 1.0;
 }
 
-inline double gate_bias(const Inputs& in, int64_t hv, int64_t K, int64_t d) {
-  return in.dt_bias.empty() ? 0.0 : in.dt_bias[hv * K + d];
+// dt_bias of key channel d of head hv ([HV * G]: per channel, or one per head).
+inline double gate_bias(const Inputs& in, const Shape& s, int64_t hv, int64_t d) {
+  return in.dt_bias.empty() ? 0.0 : in.dt_bias[hv * s.G + s.gate_index(d)];
 }
 
 inline void prepare(const core::Plan& plan, const Inputs& in, const Shape& s, int64_t b, int64_t t,
@@ -116,7 +118,7 @@ inline void prepare(const core::Plan& plan, const Inputs& in, const Shape& s, in
   const double a = gate_a(plan, in, hv);
   const double lb = static_cast<double>(plan.problem.gate_lower_bound);
   for (int64_t d = 0; d < K; ++d) {
-    tok.g[d] = core::gate_forward(plan.problem.gate, graw[d], a, gate_bias(in, hv, K, d), lb);
+    tok.g[d] = core::gate_forward(plan.problem.gate, graw[s.gate_index(d)], a, gate_bias(in, s, hv, d), lb);
     tok.decay[d] = std::exp(tok.g[d]);
   }
   tok.beta = core::beta_forward(plan.problem.beta, in.beta[s.beta(b, t, hv)]);

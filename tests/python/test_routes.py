@@ -262,7 +262,8 @@ def test_one_problem_validation_per_engine_call(monkeypatch, fast):
 @pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
 def test_a_per_head_gate_reaches_the_engine(path):
     """A 3-D g [B, T, HV] is the gated delta rule's scalar gate: the ops pass its width to the engine,
-    whose kernels refuse it for now by name."""
+    whose kernels refuse it for now by name; the float64 oracle computes it, as KDA's gate with the
+    head's value in every key channel."""
     dtype = torch.float64 if path == "reference" else torch.float32
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 8, 2, 16, generator=gen, dtype=dtype) for _ in range(2))
@@ -270,9 +271,16 @@ def test_a_per_head_gate_reaches_the_engine(path):
     g = -0.1 * torch.rand(1, 8, 2, generator=gen, dtype=dtype)
     beta = torch.rand(1, 8, 2, generator=gen, dtype=dtype)
     args = (q, k, v, g, beta, None, None, None, *_ops.problem_options(q), True, False)
+    wide = (q, k, v, g[..., None].expand(*g.shape, q.shape[-1]).contiguous(), *args[4:])
     for direct in (True, False):
-        with torch.no_grad(), pytest.raises(ValueError, match="'gate_width': per_head .* not supported yet"):
-            _ops.forward(path, direct, *args)
+        with torch.no_grad():
+            if path == "reference":
+                o, final, _ = _ops.forward(path, direct, *args)
+                o_wide, final_wide, _ = _ops.forward(path, direct, *wide)
+                assert torch.equal(o, o_wide) and torch.equal(final, final_wide)
+                continue
+            with pytest.raises(ValueError, match="'gate_width': per_head .* not supported yet"):
+                _ops.forward(path, direct, *args)
 
 
 # ---- a torch without the private probes ------------------------------------------------------------
