@@ -66,15 +66,7 @@ class Errors : public ::testing::Test {
   void expect_rejected(const std::string& arg, const std::function<void()>& call, const std::string& what) {
     SCOPED_TRACE(what);
     fill_sentinels();
-    try {
-      call();
-      ADD_FAILURE() << "no error for: expected one naming '" << arg << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("argument '" + arg + "'"), std::string::npos)
-          << "message does not name '" << arg << "': " << e.what();
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "threw something other than kda::Error: " << e.what();
-    }
+    expect_kda_error(arg, call);
     expect_untouched();
   }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "harness.hpp"
@@ -19,5 +20,22 @@ inline bool verbose() {
 
 // gtest names a parameterised case (Case, or a suite's case with a name()) by its name.
 inline constexpr auto case_name = [](const auto& info) -> std::string { return info.param.name(); };
+
+// `call` must throw kda::Error whose message names `arg` ("argument 'arg'") and, when given, says
+// `says` too.
+inline void expect_kda_error(const std::string& arg, const std::function<void()>& call,
+                             const std::string& says = "") {
+  try {
+    call();
+    ADD_FAILURE() << "no error for: expected one naming '" << arg << "'";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("argument '" + arg + "'"), std::string::npos)
+        << "message does not name '" << arg << "': " << what;
+    EXPECT_NE(what.find(says), std::string::npos) << "message does not say '" << says << "': " << what;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw something other than kda::Error: " << e.what();
+  }
+}
 
 }  // namespace kda::test
