@@ -280,6 +280,8 @@ enum class KernelId : int32_t {
   chunked_backward,
   recurrent_backward
 };
+inline constexpr Entry kEntries[] = {Entry::chunk_forward, Entry::recurrent_forward, Entry::chunk_backward,
+                                     Entry::recurrent_backward, Entry::decode};
 const char* entry_name(Entry e);
 const char* kernel_name(KernelId k);
 

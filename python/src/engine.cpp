@@ -584,21 +584,15 @@ NB_MODULE(_engine, m) {
         .def(
             "route",
             [](const kda::Prepared& p, const std::string& entry, bool chunk_states) {
-              static const std::pair<const char*, kda::Entry> entries[] = {
-                  {"chunk_forward", kda::Entry::chunk_forward},
-                  {"recurrent_forward", kda::Entry::recurrent_forward},
-                  {"chunk_backward", kda::Entry::chunk_backward},
-                  {"recurrent_backward", kda::Entry::recurrent_backward},
-                  {"decode", kda::Entry::decode}};
-              for (const auto& [name, e] : entries)
-                if (entry == name) {
+              std::string names;
+              for (kda::Entry e : kda::kEntries) {
+                if (entry == kda::entry_name(e)) {
                   const kda::Route r = kda::route(e, p, {}, chunk_states);
                   return nb::make_tuple(kda::kernel_name(r.kernel), r.backend, r.reason);
                 }
-              fail_value("entry",
-                         "expected one of chunk_forward, recurrent_forward, chunk_backward, "
-                         "recurrent_backward, decode; got '" +
-                             entry + "'");
+                names += std::string(names.empty() ? "" : ", ") + kda::entry_name(e);
+              }
+              fail_value("entry", "expected one of " + names + "; got '" + entry + "'");
             },
             nb::arg("entry"), nb::arg("chunk_states") = false,
             "(kernel, backend, reason): what the entry point runs for this problem, and why.");
