@@ -317,6 +317,7 @@ std::string Case::name() const {
     case GateMode::lower_bound: s += "_lb" + number(lower_bound); break;
   }
   if (gate != GateMode::log_decay && !dt_bias) s += "_nobias";
+  if (gate_width == GateWidth::per_head) s += "_perhead";
   switch (beta) {
     case BetaMode::given: break;
     case BetaMode::sigmoid: s += "_sigmoid"; break;
@@ -348,6 +349,7 @@ std::string Case::spec() const {
   if (gate == GateMode::softplus) s << " softplus";
   if (gate == GateMode::lower_bound) s << " lower_bound=" << lower_bound;
   if (!dt_bias) s << " no_dt_bias";
+  if (gate_width == GateWidth::per_head) s << " per_head";
   if (beta == BetaMode::sigmoid) s << " beta=sigmoid";
   if (beta == BetaMode::sigmoid_x2) s << " beta=sigmoid_x2";
   if (scale) s << " scale=" << *scale;
@@ -411,6 +413,8 @@ Case parse_case(std::string_view spec, std::initializer_list<std::string_view> f
       c.qk_l2norm = true;
     else if (key == "no_dt_bias" && flag)
       c.dt_bias = false;
+    else if (key == "per_head" && flag)
+      c.gate_width = GateWidth::per_head;
     else if (key == "strided" && flag)
       c.strided = true;
     else if (key == "B" || key == "T" || key == "H" || key == "HV" || key == "K" || key == "V" ||
@@ -567,6 +571,7 @@ Problem Data::problem() const {
   p.state_layout = c.layout;
   p.qk_l2norm = c.qk_l2norm;
   p.gate = c.gate;
+  p.gate_width = c.gate_width;
   p.gate_lower_bound = c.lower_bound;
   p.beta = c.beta;
   return p;
@@ -598,7 +603,8 @@ namespace {
 // decay: the decay the softplus gate makes of the raw, A_log and dt_bias draws).
 void make_gates(const Case& c, Rng& rng, Data& d) {
   const RegimeDefinition& r = c.regime.definition();
-  const int64_t B = d.q.B(), T = d.q.T(), HV = c.HV, K = c.K;
+  // K: the gate's channels (1 for a per-head gate).
+  const int64_t B = d.q.B(), T = d.q.T(), HV = c.HV, K = c.gate_dim();
   const bool fused = c.gate != GateMode::log_decay;
   const bool computed_decay = r.decay.kind == Distribution::Kind::softplus_gate;
   std::vector<double> A(static_cast<size_t>(HV), 0.0), bias(static_cast<size_t>(HV * K), 0.0);
@@ -656,7 +662,7 @@ void make_data(const Case& c, Data& d) {
   d.q = Tensor(c.dtype, B, T, c.H, c.K, c.strided);
   d.k = Tensor(c.dtype, B, T, c.H, c.K, c.strided);
   d.v = Tensor(c.dtype, B, T, c.HV, c.V, c.strided);
-  d.g = Tensor(gdt, B, T, c.HV, c.K, c.strided);
+  d.g = Tensor(gdt, B, T, c.HV, c.gate_dim(), c.strided);
   d.beta = Tensor(gdt, B, T, c.HV, 1, c.strided);
 
   const Distribution &dq = input_distribution("q"), &dk = input_distribution("k");
@@ -770,13 +776,13 @@ BackwardOut backward_buffers(const Data& d) {
   o.dq = Tensor(d.q.dtype(), p.batch, p.seq_len, c.H, c.K, c.strided);
   o.dk = Tensor(d.k.dtype(), p.batch, p.seq_len, c.H, c.K, c.strided);
   o.dv = Tensor(d.v.dtype(), p.batch, p.seq_len, c.HV, c.V, c.strided);
-  o.dg = Tensor(d.g.dtype(), p.batch, p.seq_len, c.HV, c.K, c.strided);
+  o.dg = Tensor(d.g.dtype(), p.batch, p.seq_len, c.HV, c.gate_dim(), c.strided);
   o.dbeta = Tensor(d.beta.dtype(), p.batch, p.seq_len, c.HV, 1, c.strided);
   for (Tensor* t : {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta}) t->fill_bytes(0xff);
   o.d_initial_state.assign(static_cast<size_t>(d.state_elems()), kNaN);
   if (c.gate != GateMode::log_decay) {
     o.dA_log.assign(static_cast<size_t>(c.HV), kNaN);
-    o.ddt_bias.assign(static_cast<size_t>(c.HV * c.K), kNaN);
+    o.ddt_bias.assign(static_cast<size_t>(c.HV * c.gate_dim()), kNaN);
   }
   return o;
 }
@@ -971,19 +977,20 @@ struct ReductionScales {
 };
 ReductionScales reduction_scales(const Data& d, const reference::Gradients& ref) {
   const Case& c = d.c;
-  std::vector<double> sum_a(static_cast<size_t>(c.HV), 0.0), sum_b(static_cast<size_t>(c.HV * c.K), 0.0);
-  const std::vector<double> x = d.g.packed();  // [B, T, HV, K]
+  const int64_t G = c.gate_dim();
+  std::vector<double> sum_a(static_cast<size_t>(c.HV), 0.0), sum_b(static_cast<size_t>(c.HV * G), 0.0);
+  const std::vector<double> x = d.g.packed();  // [B, T, HV, G]
   for (size_t i = 0; i < x.size(); ++i) {
-    const int64_t kk = static_cast<int64_t>(i) % c.K;
-    const int64_t hv = static_cast<int64_t>(i) / c.K % c.HV;
-    const double z = x[i] + (d.dt_bias.empty() ? 0.0 : d.dt_bias[hv * c.K + kk]);
+    const int64_t kk = static_cast<int64_t>(i) % G;
+    const int64_t hv = static_cast<int64_t>(i) / G % c.HV;
+    const double z = x[i] + (d.dt_bias.empty() ? 0.0 : d.dt_bias[hv * G + kk]);
     double ratio = z;  // lower-bound gate
     if (c.gate == GateMode::softplus) {
       const double sg = sigmoid(z);
       ratio = sg > 0 ? softplus(z) / sg : 1.0;  // -> 1 as z -> -inf
     }
     sum_a[hv] += std::abs(ref.dg[i] * ratio);
-    sum_b[hv * c.K + kk] += std::abs(ref.dg[i]);
+    sum_b[hv * G + kk] += std::abs(ref.dg[i]);
   }
   const auto rms = [](const std::vector<double>& v) {
     double s = 0;

@@ -110,18 +110,20 @@ struct Case {
   StateLayout layout = StateLayout::k_first;
   bool initial_state = false;
   bool qk_l2norm = false;
-  GateMode gate = GateMode::log_decay;  // Regime::unbounded with log_decay passes the computed decays
-  bool dt_bias = true;                  // fused gates: pass a dt_bias
-  float lower_bound = -5.0f;            // GateMode::lower_bound
+  GateMode gate = GateMode::log_decay;        // Regime::unbounded with log_decay passes the computed decays
+  GateWidth gate_width = GateWidth::per_key;  // per_head: the gated delta rule, g [B, T, HV]
+  bool dt_bias = true;                        // fused gates: pass a dt_bias
+  float lower_bound = -5.0f;                  // GateMode::lower_bound
   BetaMode beta = BetaMode::given;
   std::optional<float> scale;
   bool strided = false;  // non-contiguous, permuted and padded inputs and outputs
   uint64_t seed = 1;
 
-  int64_t total_tokens() const;  // T, or the sum of lengths
-  std::string name() const;      // readable, [A-Za-z0-9_] only (usable as a gtest parameter name)
-  std::string shape() const;     // "B=1 T=300 H=HV=2 K=V=128", for tables
-  std::string spec() const;      // the spec parse_case() reads back into this case
+  int64_t total_tokens() const;                                                   // T, or the sum of lengths
+  int64_t gate_dim() const { return gate_width == GateWidth::per_head ? 1 : K; }  // g's last dimension
+  std::string name() const;   // readable, [A-Za-z0-9_] only (usable as a gtest parameter name)
+  std::string shape() const;  // "B=1 T=300 H=HV=2 K=V=128", for tables
+  std::string spec() const;   // the spec parse_case() reads back into this case
 };
 // gtest prints a Case parameter by its name.
 void PrintTo(const Case& c, std::ostream* os);
@@ -133,6 +135,7 @@ void PrintTo(const Case& c, std::ostream* os);
 //   regime=NAME: a regime of definitions.txt; bf16: bf16 activations; gate_dtype=f32|bf16: g and beta's;
 //   v_first: the V-first state layout; h0: an initial state; l2norm: the in-kernel q/k L2 norm;
 //   softplus, lower_bound or lower_bound=X (default -5): the fused gate; no_dt_bias: without dt_bias;
+//   per_head: the gated delta rule's gate, one per head and token (g [B, T, HV], dt_bias [HV]);
 //   beta=sigmoid|sigmoid_x2: beta given as logits; scale=X; strided: padded, permuted views.
 // A field it does not know is an error naming it.
 Case parse_case(std::string_view spec);

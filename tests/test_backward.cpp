@@ -293,6 +293,25 @@ INSTANTIATE_TEST_SUITE_P(
     }))),
     case_name);
 
+// The gated delta rule (per_head gate): every regime and gate mode, dg [B, T, HV] and the per-head
+// dA_log / dt_bias gradients, varlen with 0- and 1-token sequences, GVA, both layouts, bf16, strided.
+INSTANTIATE_TEST_SUITE_P(
+    GatedDeltaRule, BackwardParity,
+    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+        "T=97 HV=2 K=64 V=48 per_head h0 seed=1900",
+        "T=130 H=2 HV=4 K=60 V=100 regime=strong per_head v_first seed=1901 no_dfin",
+        "T=65 HV=2 K=128 V=16 regime=zero softplus per_head h0 seed=1902",
+        "T=136 HV=2 K=60 V=100 regime=spike softplus per_head l2norm v_first h0 seed=1903",
+        "T=149 HV=2 K=128 V=32 regime=unbounded softplus beta=sigmoid per_head h0 bf16 seed=1904",
+        "lengths=1,63,0,130,64,17 H=2 HV=4 K=100 V=60 regime=unbounded softplus l2norm beta=sigmoid per_head "
+        "v_first h0 seed=1905",
+        "lengths=200,1,65,128 H=2 HV=2 K=16 V=128 regime=strong lower_bound beta=sigmoid_x2 per_head h0 "
+        "seed=1906",
+        "B=3 T=81 HV=2 K=128 V=60 strided regime=spike lower_bound=-1 no_dt_bias per_head bf16 h0 seed=1907",
+        "T=70 HV=1 K=1 V=1 regime=unbounded per_head h0 seed=1908",
+    }))),
+    case_name);
+
 // Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
 INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity,
                          ::testing::ValuesIn(sized_for_this_run(bwd_cases({

@@ -138,6 +138,11 @@ std::vector<DecodeCase> decode_cases() {
         dc.pool = pool;
         dc.spec = spec;
         cases.push_back(dc);
+        // The same request under the gated delta rule's per-head gate.
+        c.gate_width = GateWidth::per_head;
+        c.seed += 1000;
+        dc.spec = spec;
+        cases.push_back(dc);
         ++i;
       }
     }

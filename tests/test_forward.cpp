@@ -113,6 +113,28 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, ForwardParity,
                          case_name);
 
 // One long sequence: error must not grow along it.
+// The gated delta rule (per_head: one log decay per head and token, g [B, T, HV]) in every gate
+// regime and gate mode, odd and varlen lengths (0, 1, multiples and non-multiples of the chunk), GVA,
+// both layouts, bf16, strided views and the smallest heads.
+INSTANTIATE_TEST_SUITE_P(
+    GatedDeltaRule, ForwardParity,
+    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+        "T=97 HV=2 K=64 V=48 per_head h0 seed=900",
+        "T=130 H=2 HV=4 K=60 V=100 regime=strong per_head v_first seed=901",
+        "T=65 HV=2 K=128 V=16 regime=zero per_head h0 seed=902",
+        "T=136 HV=2 K=60 V=100 regime=spike per_head l2norm v_first h0 seed=903",
+        "T=149 HV=2 K=128 V=32 regime=unbounded per_head h0 bf16 seed=904",
+        "lengths=1,63,0,130,64,17 H=2 HV=4 K=100 V=60 regime=unbounded softplus l2norm beta=sigmoid per_head "
+        "v_first h0 seed=905",
+        "lengths=200,1,65,128 H=2 HV=2 K=16 V=128 regime=strong lower_bound beta=sigmoid_x2 per_head h0 "
+        "seed=906",
+        "B=3 T=81 HV=2 K=128 V=60 strided regime=spike softplus no_dt_bias per_head bf16 v_first h0 seed=907",
+        "B=2 T=100 H=2 HV=4 K=100 V=100 regime=mild softplus per_head bf16 gate_dtype=f32 h0 seed=908",
+        "T=70 HV=1 K=1 V=1 per_head h0 seed=909",
+        "B=2 T=0 HV=2 K=16 V=60 per_head h0 seed=910",
+    }))),
+    case_name);
+
 TEST(ForwardLong, T4096OneHead) { check_both_kernels(parse_case("T=4096 K=128 V=128 h0 seed=600")); }
 
 // Gates placed on purpose, channel by channel: a decay of e^-15 at every token, 2^-4.5 and 2^-5 per

@@ -1,6 +1,6 @@
 // The seams of a call: one problem validation (prepare), the shapes query, the one routing rule, the
-// backend's "can you run this plan" (a per-head gate, not in the kernels yet, computed by the float64
-// oracle) and the C ABI's appended gate_width field.
+// per-head gate (the gated delta rule) against the float64 oracle and the per-key gate it repeats, and
+// the C ABI's appended gate_width field.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -163,33 +163,42 @@ TEST(Routing, OneRuleForEveryEntryPoint) {
   EXPECT_EQ(c.o[0], kSentinel);
 }
 
-TEST(GateWidth, PerHeadIsValidatedThenRefusedByTheKernels) {
-  Call c(20, GateWidth::per_head);
-  const Prepared prepared = prepare(c.p);
-  EXPECT_EQ(prepared.shapes().gate_dim, 1);
-  for (Entry e : {Entry::chunk_forward, Entry::recurrent_forward, Entry::chunk_backward, Entry::decode})
-    test::expect_kda_error(
-        "gate_width", [&] { route(e, prepared); }, "not supported yet");
-  test::expect_kda_error(
-      "gate_width", [&] { chunk_forward(prepared, c.in, c.out); }, "not supported yet");
-  test::expect_kda_error(
-      "gate_width", [&] { recurrent_forward(c.p, c.in, c.out); }, "not supported yet");
-  for (float x : c.o) ASSERT_EQ(x, kSentinel) << "nothing is written for a refused call";
+// A per-head gate runs on every kernel and means the per-key gate repeated over the K channels
+// (the kernels use its scalar structure, so the two calls agree to rounding, not bitwise).
+TEST(GateWidth, PerHeadRunsAsTheBroadcastPerKeyGate) {
+  for (GateMode mode : {GateMode::log_decay, GateMode::softplus}) {
+    Call head(70, GateWidth::per_head, {0, 1, 70}), key(70, GateWidth::per_key, {0, 1, 70});
+    std::vector<float> A_log = {0.1f, 2.5f}, bias_head = {0.3f, -0.5f}, bias_key(16);
+    for (size_t i = 0; i < 16; ++i) bias_key[i] = bias_head[i / 8];
+    for (size_t i = 0; i < head.g.size(); ++i)
+      head.g[i] = mode == GateMode::softplus ? 0.7f : -0.05f * (i % 9);
+    for (size_t i = 0; i < key.g.size(); ++i) key.g[i] = head.g[i / 8];
+    head.p.gate = key.p.gate = mode;
+    if (mode == GateMode::softplus) {
+      head.in.A_log = key.in.A_log = A_log.data();
+      head.in.dt_bias = bias_head.data();
+      key.in.dt_bias = bias_key.data();
+    }
+    const Prepared prepared = prepare(head.p);
+    EXPECT_EQ(prepared.shapes().gate_dim, 1);
+    EXPECT_STREQ(route(Entry::chunk_forward, prepared).backend, "cpu");
+    for (ForwardKernel kernel : {ForwardKernel::chunked, ForwardKernel::recurrent}) {
+      RunOptions opt;
+      opt.forward_kernel = kernel;
+      chunk_forward(prepared, head.in, head.out, opt);
+      chunk_forward(key.p, key.in, key.out, opt);
+      for (size_t i = 0; i < head.o.size(); ++i)
+        ASSERT_NEAR(head.o[i], key.o[i], 1e-6 * (1 + std::fabs(key.o[i]))) << i;
+    }
+  }
 
   // The plan checks the gate's width first: a per-key g under a per-head problem names g.
   Call wide(20, GateWidth::per_key);
   wide.p.gate_width = GateWidth::per_head;
   test::expect_kda_error(
       "g", [&] { chunk_forward(wide.p, wide.in, wide.out); }, "expected a view of shape");
-  // dt_bias of the per-head shape [HV] is the fused gate's side tensor.
-  std::vector<float> A_log = {0.1f, 0.2f}, dt_bias = {0.0f, 0.5f};
-  c.p.gate = GateMode::softplus;
-  c.in.A_log = A_log.data();
-  c.in.dt_bias = dt_bias.data();
-  test::expect_kda_error(
-      "gate_width", [&] { chunk_forward(c.p, c.in, c.out); }, "not supported yet");
-
-  Problem unknown = c.p;
+  for (float x : wide.o) ASSERT_EQ(x, kSentinel) << "nothing is written for a refused call";
+  Problem unknown = Call(20, GateWidth::per_head).p;
   unknown.gate_width = static_cast<GateWidth>(5);
   test::expect_kda_error(
       "gate_width", [&] { prepare(unknown); }, "expected per_key");
@@ -301,8 +310,13 @@ TEST(GateWidth, ThroughTheCAbi) {
   in.beta = kda_make_input(c.beta.data(), KDA_DTYPE_F32, &p, 2, 1);
   kda_forward_outputs out = KDA_FORWARD_OUTPUTS_INIT;
   out.o = kda_make_output(c.o.data(), KDA_DTYPE_F32, &p, 2, 4);
+  EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_OK) << kda_last_error();
+  EXPECT_NE(c.o[0], kSentinel) << "the per-head call wrote o";
+  // A per-key g under the per-head problem is refused, naming g.
+  std::vector<float> g_wrong(static_cast<size_t>(20 * 2 * 8), -0.5f);
+  in.g = kda_make_input(g_wrong.data(), KDA_DTYPE_F32, &p, 2, 8);
   EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_ERROR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kda_last_error()).find("not supported yet"), std::string::npos) << kda_last_error();
+  EXPECT_NE(std::string(kda_last_error()).find("'g'"), std::string::npos) << kda_last_error();
   // A caller built against 0.2 passes struct_size 0 or the 0.2 size (which ended in padding, whose
   // bytes are undefined): the appended gate_width reads as per_key and the padding is ignored.
   std::vector<float> g_wide(static_cast<size_t>(20 * 2 * 8), -0.5f);

@@ -232,6 +232,11 @@ struct Counts {
   int pass = 0, fail = 0, unavailable = 0;
 };
 
+// The regime column: the regime, with "gdn-" before it for the gated delta rule's per-head gate.
+std::string regime_label(const Case& c) {
+  return std::string(c.gate_width == kda::GateWidth::per_head ? "gdn-" : "") + hs::regime_name(c.regime);
+}
+
 // One row: the errors, the tolerance(s), the verdict.
 void print_row(const char* path, const Case& c, DType dtype, const std::vector<Measure>& measures,
                Counts& counts) {
@@ -241,7 +246,7 @@ void print_row(const char* path, const Case& c, DType dtype, const std::vector<M
     if (m.error && !(*m.error <= m.tol)) ok = false;  // NaN fails too
     if (m.error) tol_lo = std::min(tol_lo, m.tol), tol_hi = std::max(tol_hi, m.tol);
   }
-  std::printf("%-20s %-11s %-5s", path, hs::regime_name(c.regime), dtype == DType::bf16 ? "bf16" : "f32");
+  std::printf("%-20s %-13s %-5s", path, regime_label(c).c_str(), dtype == DType::bf16 ? "bf16" : "f32");
   for (const Measure& m : measures) std::printf(" %9s", fmt_err(m.error).c_str());
   char tol[40];
   if (tol_lo == tol_hi)
@@ -254,7 +259,7 @@ void print_row(const char* path, const Case& c, DType dtype, const std::vector<M
 
 void print_unavailable(const char* path, const Case& c, DType dtype, const std::string& why, bool is_failure,
                        Counts& counts) {
-  std::printf("%-20s %-11s %-5s %s: %s\n", path, hs::regime_name(c.regime),
+  std::printf("%-20s %-13s %-5s %s: %s\n", path, regime_label(c).c_str(),
               dtype == DType::bf16 ? "bf16" : "f32", is_failure ? "FAIL" : "n/a", short_reason(why).c_str());
   ++(is_failure ? counts.fail : counts.unavailable);
 }
@@ -299,7 +304,9 @@ int run_check(const Options& o) {
       kda::harness::kBackwardBf16, kda::harness::kBackwardBf16Gate);
   std::printf("regimes (the tests', harness/definitions.txt):");
   for (Regime regime : hs::regimes()) std::printf(" %s", hs::regime_name(regime));
-  std::printf("; 'unbounded' runs Kimi Linear's options (fused softplus gate, sigmoid beta, L2 norm)\n");
+  std::printf(
+      "; 'unbounded' runs Kimi Linear's options (fused softplus gate, sigmoid beta, L2 norm);\n"
+      "'gdn-' rows: the gated delta rule's per-head gate (g [B, T, HV]) in the same regime\n");
   print_targets();
   std::printf("\n");
 
@@ -316,26 +323,29 @@ int run_check(const Options& o) {
     std::string grads_error;
   };
   std::vector<std::unique_ptr<Ref>> refs;
-  for (Regime regime : hs::regimes())
-    for (DType dtype : dtypes) {
-      Case c = s;
-      c.regime = regime;
-      c.dtype = dtype;
-      c.initial_state = true;
-      c.seed = o.seed;
-      if (regime == Regime::unbounded) {
-        c.gate = kda::GateMode::softplus;
-        c.beta = kda::BetaMode::sigmoid;
-        c.qk_l2norm = true;
+  // KDA's per-key gate, then the gated delta rule's per-head gate (rows "gdn-<regime>").
+  for (kda::GateWidth width : {kda::GateWidth::per_key, kda::GateWidth::per_head})
+    for (Regime regime : hs::regimes())
+      for (DType dtype : dtypes) {
+        Case c = s;
+        c.gate_width = width;
+        c.regime = regime;
+        c.dtype = dtype;
+        c.initial_state = true;
+        c.seed = o.seed;
+        if (regime == Regime::unbounded) {
+          c.gate = kda::GateMode::softplus;
+          c.beta = kda::BetaMode::sigmoid;
+          c.qk_l2norm = true;
+        }
+        auto r = std::make_unique<Ref>();
+        hs::make_data(c, r->d);
+        hs::make_cotangents(r->d, /*with_final_state=*/true, o.seed + 1, r->ct);
+        r->fwd = hs::oracle_forward(r->d);
+        refs.push_back(std::move(r));
       }
-      auto r = std::make_unique<Ref>();
-      hs::make_data(c, r->d);
-      hs::make_cotangents(r->d, /*with_final_state=*/true, o.seed + 1, r->ct);
-      r->fwd = hs::oracle_forward(r->d);
-      refs.push_back(std::move(r));
-    }
 
-  std::printf("%-20s %-11s %-5s %9s %9s %9s %13s  %s\n", "forward path", "regime", "dtype", "o", "state",
+  std::printf("%-20s %-13s %-5s %9s %9s %9s %13s  %s\n", "forward path", "regime", "dtype", "o", "state",
               "chunks", "tol", "result");
   // The chunked kernel itself (chunk_forward's automatic choice is the recurrent kernel, whose rows follow).
   for (hs::Kernel kernel : hs::kKernels)
@@ -355,7 +365,7 @@ int run_check(const Options& o) {
       }
     }
 
-  std::printf("\n%-20s %-11s %-5s %9s %9s %9s %9s %9s %9s %9s %9s %13s  %s\n", "backward path", "regime",
+  std::printf("\n%-20s %-13s %-5s %9s %9s %9s %9s %9s %9s %9s %9s %13s  %s\n", "backward path", "regime",
               "dtype", "dq", "dk", "dv", "dg", "dbeta", "d_state", "dA_log", "ddt_bias", "tol", "result");
   for (auto& r : refs) {
     try {

@@ -83,6 +83,7 @@ struct BackwardWork {
   Buffer<float> dlast;               // [Kp]
   Buffer<float> dq_group, dk_group;  // [C][Kp]: dq, dk summed over the group
   Buffer<float> dbeta, dv_row, dg_row;
+  Buffer<float> bias_row;                // [Kp]: a per-head dt_bias repeated over the channels
   std::vector<double> dA_log, ddt_bias;  // [group], [group][K]: this item's partial sums
 
   BackwardWork(int64_t K_, int64_t V_, int64_t group)
@@ -95,7 +96,7 @@ struct BackwardWork {
       b->reset(C * Kp);
     crow.reset(kSub * Kp), cumP.reset(kSub * Kp), cumL.reset(kSub * Kp), Z.reset(C / kSub * Kp),
         dlast.reset(Kp);
-    dbeta.reset(C), dv_row.reset(Vp), dg_row.reset(Kp);
+    dbeta.reset(C), dv_row.reset(Vp), dg_row.reset(Kp), bias_row.reset(Kp);
     dA_log.assign(static_cast<size_t>(group), 0.0);
     ddt_bias.assign(static_cast<size_t>(group * K), 0.0);
   }
@@ -387,7 +388,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   // dbeta through the sigmoid.
   const Problem& p = plan.problem;
   const double a_gate = plan.fused_gate() ? std::exp(static_cast<double>(fin.A_log[hv])) : 0.0;
-  const float* bias = (plan.fused_gate() && fin.dt_bias != nullptr) ? fin.dt_bias + hv * K : nullptr;
+  const float* bias = gate_bias_row(plan, fin.dt_bias, hv, bw.bias_row.data());
   double* dA = &bw.dA_log[static_cast<size_t>(member)];
   double* dbias = bw.ddt_bias.data() + member * K;
   float* dg = bw.dg_row.data();
@@ -409,7 +410,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     const float* dGi = dG + i * Kp;
     if (plan.fused_gate()) {
       float* row = w.row.data();
-      load_row(fin.g, seq.batch_index, t, hv, K, row);
+      load_gate_row(plan, fin.g, seq.batch_index, t, hv, row);
       for (int64_t c = 0; c < K; ++c) {
         const float bc = bias ? bias[c] : 0.0f;
         const double upstream = dGi[c];
@@ -418,9 +419,9 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
         *dA += upstream * core::gate_derivative_A_log<double>(p.gate, row[c], a_gate, bc, p.gate_lower_bound);
         dbias[c] += dg[c];
       }
-      store_row(out.dg, seq.batch_index, t, hv, K, dg);
+      store_gate_grad_row(plan, out.dg, seq.batch_index, t, hv, dg);
     } else {
-      store_row(out.dg, seq.batch_index, t, hv, K, dGi);
+      store_gate_grad_row(plan, out.dg, seq.batch_index, t, hv, dGi);
     }
     float braw = 0.0f;
     load_row(fin.beta, seq.batch_index, t, hv, 1, &braw);
@@ -535,8 +536,15 @@ void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const Backw
   }
   if (out.dA_log != nullptr)
     for (int64_t hv = 0; hv < plan.HV; ++hv) out.dA_log[hv] = static_cast<float>(dA[hv]);
-  if (out.ddt_bias != nullptr)
-    for (int64_t i = 0; i < plan.HV * plan.K; ++i) out.ddt_bias[i] = static_cast<float>(dbias[i]);
+  if (out.ddt_bias != nullptr) {
+    // A per-head bias is shared by the K channels: its gradient sums theirs.
+    const int64_t G = plan.gate_dim, per = plan.K / G;
+    for (int64_t i = 0; i < plan.HV * G; ++i) {
+      double s = 0.0;
+      for (int64_t c = 0; c < per; ++c) s += dbias[i * per + c];
+      out.ddt_bias[i] = static_cast<float>(s);
+    }
+  }
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE

@@ -233,7 +233,7 @@ RowPrefetch rows_prefetch(const core::Plan& plan, const ForwardInputs& in, const
   pf.add(in.q, b, t, h0, plan.K, qk_heads);
   pf.add(in.k, b, t, h0, plan.K, qk_heads);
   pf.add(in.v, b, t, hv0, plan.V, heads);
-  pf.add(in.g, b, t, hv0, plan.K, heads);
+  pf.add(in.g, b, t, hv0, plan.gate_dim, heads);
   pf.add(in.beta, b, t, hv0, 1, heads);
   pf.rows = n;
   return pf;

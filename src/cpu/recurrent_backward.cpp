@@ -196,6 +196,7 @@ struct BackwardWork {
   Buffer<float> dQ, dK;                         // [len][Kp]: dq, dk of the item summed over its group
   Buffer<float> graw;                           // [kC][Kp]: raw gate input (fused gates)
   Buffer<float> row;                            // [Kp] scratch
+  Buffer<float> bias_row;                       // [Kp]: a per-head dt_bias repeated over the channels
   BackwardWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), fwd(K_, V_, 1) {
     dS.reset(V * Kp);
     q.reset(kC * Kp), qs.reset(kC * Kp), k.reset(kC * Kp), g.reset(kC * Kp), e.reset(kC * Kp);
@@ -203,7 +204,7 @@ struct BackwardWork {
     hist.reset(kC * kBwdColumns * Kp), r.reset(kC * kBwdColumns), wres.reset(kC * kBwdColumns);
     dq.reset(kC * Kp), dk.reset(kC * Kp), dk0.reset(kC * Kp), dg0.reset(kC * Kp), dv.reset(kC * Vp),
         dbeta.reset(kC);
-    graw.reset(kC * Kp), row.reset(Kp);
+    graw.reset(kC * Kp), row.reset(Kp), bias_row.reset(Kp);
   }
   // Clears the per-segment row buffers at the start of an item: a shorter segment leaves rows of an
   // earlier item in place, and a NaN there (from a NaN input) must not reach this item.
@@ -390,7 +391,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 
     const float a = plan.fused_gate() ? gate_scale(f.A_log[hv]) : 0.0f;
     const double a_d = plan.fused_gate() ? std::exp(static_cast<double>(f.A_log[hv])) : 0.0;
-    const float* bias = (plan.fused_gate() && f.dt_bias != nullptr) ? f.dt_bias + hv * K : nullptr;
+    const float* bias = gate_bias_row(plan, f.dt_bias, hv, w.bias_row.data());
     double dA = 0.0;
     double* ddt = plan.fused_gate() ? gg.ddt + (n_seq * HV + hv) * K : nullptr;
     ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.g.data(), w.beta.data(), nullptr, nullptr};
@@ -415,7 +416,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
           // exp(g) amplifies the absolute error of g (|g| ulp-sized): recompute g and exp(g) in
           // double so the gradient of A_log keeps its accuracy for large |g|.
           float* graw = w.graw.data() + i * Kp;
-          load_row(f.g, b, t, hv, K, graw);
+          load_gate_row(plan, f.g, b, t, hv, graw);
           gate_rows_double(p.gate, a_d, p.gate_lower_bound, bias, graw, w.g.data() + i * Kp,
                            w.e.data() + i * Kp, K);
         } else {
@@ -460,9 +461,9 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
         if (plan.fused_gate()) {
           dA += gate_backward_row(p.gate, a, p.gate_lower_bound, bias, w.graw.data() + i * Kp,
                                   w.g.data() + i * Kp, dgl, w.row.data(), K, ddt);
-          store_row(out.dg, b, t, hv, K, w.row.data());
+          store_gate_grad_row(plan, out.dg, b, t, hv, w.row.data());
         } else {
-          store_row(out.dg, b, t, hv, K, dgl);
+          store_gate_grad_row(plan, out.dg, b, t, hv, dgl);
         }
         float* dQ = w.dQ.data() + (t0 + i) * Kp;
         float* dK = w.dK.data() + (t0 + i) * Kp;
@@ -529,9 +530,12 @@ void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const B
     }
   }
   if (out.ddt_bias != nullptr) {
-    for (int64_t x = 0; x < HV * K; ++x) {
+    // A per-head bias is shared by the K channels: its gradient sums theirs.
+    const int64_t G = plan.gate_dim, per = K / G;
+    for (int64_t x = 0; x < HV * G; ++x) {
       double s = 0.0;
-      for (int64_t n = 0; n < N; ++n) s += ddt[static_cast<size_t>(n * HV * K + x)];
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < per; ++c) s += ddt[static_cast<size_t>(n * HV * K + x * per + c)];
       out.ddt_bias[x] = static_cast<float>(s);
     }
   }

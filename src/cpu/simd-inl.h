@@ -375,6 +375,14 @@ HWY_INLINE void l2norm_backward_row(const float* y, float rstd, float* dy, int64
     hn::StoreU(hn::Mul(r, hn::NegMulAdd(dot_yy, hn::LoadU(d, y + i), hn::LoadU(d, dy + i))), d, dy + i);
 }
 
+// The log decay of a per-head gate (GateWidth::per_head) from its raw input x: one scalar per head
+// and token, dt_bias [HV] (may be null), clamped to -FLT_MAX as gate_row clamps.
+inline float head_gate(const Problem& p, float a, const float* dt_bias, int64_t hv, float x) {
+  const float bias = dt_bias != nullptr ? dt_bias[hv] : 0.0f;
+  return std::max(core::gate_forward<float>(p.gate, x, a, bias, p.gate_lower_bound),
+                  -std::numeric_limits<float>::max());
+}
+
 // Loads rows [t_begin, t_begin + n) (relative to the sequence start) of value head hv.
 inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
                             int64_t hv, int64_t t_begin, int64_t n, const ChunkRows& rows) {
@@ -383,7 +391,8 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
   const int64_t h = hv / plan.group;
   const int64_t b = seq.batch_index;
   const float a = plan.fused_gate() ? gate_scale(in.A_log[hv]) : 0.0f;
-  const float* bias = (plan.fused_gate() && in.dt_bias != nullptr) ? in.dt_bias + hv * K : nullptr;
+  const float* bias =
+      (plan.fused_gate() && in.dt_bias != nullptr && !plan.per_head_gate()) ? in.dt_bias + hv * K : nullptr;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = seq.first_token + t_begin + i;
     float* q = rows.q + i * Kp;
@@ -402,12 +411,57 @@ inline void load_chunk_rows(const core::Plan& plan, const ForwardInputs& in, con
     if (rows.k_rstd != nullptr) rows.k_rstd[i] = kr;
     load_row(in.v, b, t, hv, V, rows.v + i * Vp);
     float* g = rows.g + i * Kp;
-    load_row(in.g, b, t, hv, K, g);
-    if (plan.fused_gate()) gate_row(p.gate, a, p.gate_lower_bound, bias, g, g, K);
+    if (plan.per_head_gate()) {
+      // The gated delta rule: one log decay per head and token, evaluated once; the per-channel
+      // rows of the kernels that read g see it in every channel.
+      float x = 0.0f;
+      load_row(in.g, b, t, hv, 1, &x);
+      if (plan.fused_gate()) x = head_gate(p, a, in.dt_bias, hv, x);
+      std::fill(g, g + K, x);
+    } else {
+      load_row(in.g, b, t, hv, K, g);
+      if (plan.fused_gate()) gate_row(p.gate, a, p.gate_lower_bound, bias, g, g, K);
+    }
     float beta = 0.0f;
     load_row(in.beta, b, t, hv, 1, &beta);
     rows.beta[i] = core::beta_forward<float>(p.beta, beta);
   }
+}
+
+// The raw gate input of row (b, t, hv) over the K key channels; a per-head gate (the gated delta
+// rule) is repeated in every channel, for the backward kernels that treat the gate per channel.
+inline void load_gate_row(const core::Plan& plan, const Input& g, int64_t b, int64_t t, int64_t hv,
+                          float* HWY_RESTRICT dst) {
+  if (!plan.per_head_gate()) {
+    load_row(g, b, t, hv, plan.K, dst);
+    return;
+  }
+  float x = 0.0f;
+  load_row(g, b, t, hv, 1, &x);
+  std::fill(dst, dst + plan.K, x);
+}
+
+// dt_bias of value head hv over the K key channels (null when absent): a per-head bias is repeated
+// into `scratch` (K floats).
+inline const float* gate_bias_row(const core::Plan& plan, const float* dt_bias, int64_t hv, float* scratch) {
+  if (!plan.fused_gate() || dt_bias == nullptr) return nullptr;
+  if (!plan.per_head_gate()) return dt_bias + hv * plan.K;
+  std::fill(scratch, scratch + plan.K, dt_bias[hv]);
+  return scratch;
+}
+
+// Stores the gradient of row (b, t, hv) of g from its K per-channel parts: a per-head gate is one
+// variable shared by the channels, so its gradient is their sum (in double, in channel order).
+inline void store_gate_grad_row(const core::Plan& plan, const Output& dg, int64_t b, int64_t t, int64_t hv,
+                                const float* src) {
+  if (!plan.per_head_gate()) {
+    store_row(dg, b, t, hv, plan.K, src);
+    return;
+  }
+  double sum = 0.0;
+  for (int64_t c = 0; c < plan.K; ++c) sum += static_cast<double>(src[c]);
+  const float x = static_cast<float>(sum);
+  store_row(dg, b, t, hv, 1, &x);
 }
 
 // load_chunk_rows for value heads [hv0, hv0 + heads), rows [first, first + count) relative to

@@ -92,14 +92,17 @@ def test_one_validation_per_call_and_the_route():
         p.route("sideways")
 
 
-def test_a_per_head_gate_is_taken_then_refused_until_the_kernels_have_it():
+def test_a_per_head_gate_runs_as_the_per_key_gate_repeated():
     _, _, a, h0, o, final = _numpy_call()
     g3 = np.ascontiguousarray(a["g"][..., 0])  # [B, T, HV]: one log decay per head
-    o[...] = 7.0
+    wide = np.ascontiguousarray(np.repeat(g3[..., None], a["g"].shape[-1], axis=-1))
     for function in (engine.chunk_forward, engine.recurrent_forward):
-        with pytest.raises(ValueError, match="'gate_width': per_head .* not supported yet"):
-            _run(function, {**a, "g": g3}, o, problem=dict(gate_width="per_head"))
-    assert (o == 7.0).all()
+        o[...] = 7.0
+        _run(function, {**a, "g": g3}, o, problem=dict(gate_width="per_head"))
+        head = o.copy()
+        _run(function, {**a, "g": wide}, o)
+        np.testing.assert_allclose(head, o, rtol=1e-5, atol=1e-6)
+    o[...] = 7.0
     with pytest.raises(ValueError, match="'g': expected a 3-D"):
         _run(
             engine.chunk_forward,
