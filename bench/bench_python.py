@@ -245,7 +245,8 @@ def python_decode_us(H, K, V, calls, batches, threads):
 
 def cpp_decode_us(cli, H, K, V, calls, batches, threads):
     """The same step through kda::decode from C++ (`kda decode`, K-first fp32 pool of two slots)."""
-    command = [cli, "decode", "--json", "--B", "1", "--layout", "k", "--pool-dtype", "f32", "--slots", "2"]
+    command = [cli, "decode", "--json", "--B", "1", "--layout", "k", "--pool-dtype", "f32", "--gate", "key"]
+    command += ["--slots", "2"]
     command += ["--threads", str(threads), "--H", str(H), "--K", str(K), "--V", str(V)]
     command += ["--calls", str(calls), "--reps", str(batches)]
     out = subprocess.run(command, capture_output=True, text=True, check=True)

@@ -69,6 +69,8 @@ bench options:
   --reps N       timed rounds (each forward path run twice per round, the second timed), medians
                  shown (default 3); forward+backward: the median of as many steps after a warm-up
   --no-backward  skip the forward+backward timing
+  --gate LIST    gate widths: key (KDA, g per key channel) and/or head (the gated delta rule, one
+                 decay per head and token); default key,head
 
 decode options:
   --B LIST       request counts N (default 1,8,32,128)
@@ -79,6 +81,7 @@ decode options:
   --slots N      pool slots (default 2 * B * T), assigned to requests at random
   --layout LIST  state layouts, k and/or v (default k,v)
   --pool-dtype LIST  pool dtypes, f32 and/or bf16 (default f32,bf16)
+  --gate LIST    gate widths, key and/or head (default key,head)
   --threads LIST thread counts (default 1 and every core)
   --reps N       timed batches, the median is shown (default 7)
   --calls N      steps per batch (default 800 / max(N, 8), at least 4)
@@ -105,6 +108,7 @@ struct Options {
   bool json = false;
   bool baseline = true;  // decode: also time gather / recurrent_forward / scatter
   std::vector<std::string> layouts{"k", "v"}, pool_dtypes{"f32", "bf16"};
+  std::vector<std::string> gates{"key", "head"};  // bench, decode: gate widths (KDA, gated delta rule)
 };
 
 [[noreturn]] void usage_error(const std::string& message) { kda_demo::usage_error("kda", message); }
@@ -176,11 +180,13 @@ Options parse(int argc, char** argv) {
       o.calls = parse_positive(flag, value);
     else if (flag == "--slots")
       o.slots = parse_positive(flag, value);
-    else if (flag == "--layout" || flag == "--pool-dtype") {
-      auto& list = flag == "--layout" ? o.layouts : o.pool_dtypes;
+    else if (flag == "--layout" || flag == "--pool-dtype" || flag == "--gate") {
+      auto& list = flag == "--layout" ? o.layouts : flag == "--gate" ? o.gates : o.pool_dtypes;
       list.clear();
       for (const std::string& item : split_list(value)) {
-        const bool ok = flag == "--layout" ? (item == "k" || item == "v") : (item == "f32" || item == "bf16");
+        const bool ok = flag == "--layout" ? (item == "k" || item == "v")
+                        : flag == "--gate" ? (item == "key" || item == "head")
+                                           : (item == "f32" || item == "bf16");
         if (!ok) usage_error(flag + ": unknown item '" + item + "'");
         list.push_back(item);
       }
@@ -411,9 +417,9 @@ std::vector<int> default_threads(const std::vector<int>& requested) {
   return threads;
 }
 
-void print_speed_row(int threads, const char* path, std::optional<double> seconds, int64_t tokens,
-                     std::optional<double> flops_per_token, const std::string& note) {
-  std::printf("%7d  %-24s", threads, path);
+void print_speed_row(int threads, const char* gate, const char* path, std::optional<double> seconds,
+                     int64_t tokens, std::optional<double> flops_per_token, const std::string& note) {
+  std::printf("%7d %4s  %-24s", threads, gate, path);
   if (!seconds) {
     std::printf(" %10s %12s %9s  %s\n", "n/a", "n/a", "n/a", short_reason(note).c_str());
     return;
@@ -456,27 +462,42 @@ int run_bench(const Options& o) {
   hs::Cotangents ct;
   if (o.backward) hs::make_cotangents(d, /*with_final_state=*/true, o.seed + 1, ct);
 
-  std::printf("%7s  %-24s %10s %12s %9s\n", "threads", "path", "ms", "tokens/s", "GFLOP/s");
-  for (int t : threads) {
-    const kda_demo::SpeedResult r =
-        kda_demo::measure_speed(d, o.backward ? &ct : nullptr, t, o.reps.value_or(3));
-    // chunk_forward (what chunk_kda runs) counted in the recurrent form's FLOPs: the work a token needs.
-    print_speed_row(t, "chunk_forward (prefill)", r.prefill_fwd, tokens, rec_fpt, r.prefill_fwd_error);
-    print_speed_row(t, "  chunked kernel", r.chunk_fwd, tokens, chunk_fpt, r.chunk_fwd_error);
-    print_speed_row(t, "  recurrent kernel", r.recurrent_fwd, tokens, rec_fpt, r.recurrent_fwd_error);
-    if (o.backward) {
-      std::optional<double> total;
-      std::string note = r.backward_error;
-      if (r.train_fwd && r.train_bwd) {
-        total = *r.train_fwd + *r.train_bwd;
-        char buf[96];
-        std::snprintf(buf, sizeof buf, "backward %.2fx forward", *r.train_bwd / *r.train_fwd);
-        note = buf;
-      }
-      print_speed_row(t, "chunk forward+backward", total, tokens, std::nullopt, note);
-    }
-    std::fflush(stdout);
+  // The gated delta rule's inputs: the same draws with one gate per head and token.
+  Case c_head = c;
+  c_head.gate_width = kda::GateWidth::per_head;
+  hs::Data d_head;
+  hs::Cotangents ct_head;
+  if (std::find(o.gates.begin(), o.gates.end(), "head") != o.gates.end()) {
+    hs::make_data(c_head, d_head);
+    if (o.backward) hs::make_cotangents(d_head, /*with_final_state=*/true, o.seed + 1, ct_head);
   }
+
+  std::printf("%7s %4s  %-24s %10s %12s %9s\n", "threads", "gate", "path", "ms", "tokens/s", "GFLOP/s");
+  for (int t : threads)
+    for (const std::string& gate : o.gates) {
+      const bool head = gate == "head";
+      const kda_demo::SpeedResult r = kda_demo::measure_speed(
+          head ? d_head : d, o.backward ? (head ? &ct_head : &ct) : nullptr, t, o.reps.value_or(3));
+      const char* label = head ? "GDN" : "KDA";
+      // chunk_forward (what chunk_kda runs) counted in the recurrent form's FLOPs: the work a token needs.
+      print_speed_row(t, label, "chunk_forward (prefill)", r.prefill_fwd, tokens, rec_fpt,
+                      r.prefill_fwd_error);
+      print_speed_row(t, label, "  chunked kernel", r.chunk_fwd, tokens, chunk_fpt, r.chunk_fwd_error);
+      print_speed_row(t, label, "  recurrent kernel", r.recurrent_fwd, tokens, rec_fpt,
+                      r.recurrent_fwd_error);
+      if (o.backward) {
+        std::optional<double> total;
+        std::string note = r.backward_error;
+        if (r.train_fwd && r.train_bwd) {
+          total = *r.train_fwd + *r.train_bwd;
+          char buf[96];
+          std::snprintf(buf, sizeof buf, "backward %.2fx forward", *r.train_bwd / *r.train_fwd);
+          note = buf;
+        }
+        print_speed_row(t, label, "chunk forward+backward", total, tokens, std::nullopt, note);
+      }
+      std::fflush(stdout);
+    }
   return 0;
 }
 
@@ -554,7 +575,7 @@ struct GatherForwardScatter {
 // One row of the decode table.
 struct DecodeRow {
   int threads;
-  std::string layout, pool;
+  std::string gate, layout, pool;
   int64_t requests;
   double us, bound_us, baseline_us;
   double state_bytes;
@@ -564,11 +585,12 @@ void print_decode_row(const Options& o, const Case& s, const DecodeRow& r, doubl
   const double tokens = static_cast<double>(r.requests * s.T);
   if (o.json) {
     std::printf(
-        "{\"threads\": %d, \"layout\": \"%s\", \"pool\": \"%s\", \"B\": %lld, \"T\": %lld, \"H\": %lld, "
+        "{\"threads\": %d, \"gate\": \"%s\", \"layout\": \"%s\", \"pool\": \"%s\", \"B\": %lld, \"T\": %lld, "
+        "\"H\": %lld, "
         "\"K\": %lld, \"V\": %lld, \"spec\": %s, \"us_per_call\": %.3f, \"state_gb_per_s\": %.3f, "
         "\"copy_gb_per_s\": %.3f, \"bound_us\": %.3f, \"fraction_of_bound\": %.4f, "
         "\"gather_forward_scatter_us\": %s, \"simd_target\": \"%s\"}\n",
-        r.threads, r.layout.c_str(), r.pool.c_str(), static_cast<long long>(r.requests),
+        r.threads, r.gate.c_str(), r.layout.c_str(), r.pool.c_str(), static_cast<long long>(r.requests),
         static_cast<long long>(s.T), static_cast<long long>(s.H), static_cast<long long>(s.K),
         static_cast<long long>(s.V), o.spec ? "true" : "false", r.us, r.state_bytes / r.us / 1e3, copy_gbs,
         r.bound_us, r.bound_us / r.us, r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null",
@@ -579,9 +601,10 @@ void print_decode_row(const Options& o, const Case& s, const DecodeRow& r, doubl
       std::snprintf(base, sizeof base, "%.1f", r.baseline_us);
       std::snprintf(speedup, sizeof speedup, "%.2fx", r.baseline_us / r.us);
     }
-    std::printf("%7d %5lld %8s %5s %11.1f %10.0f %11.1f %8.0f%% %13s %9s\n", r.threads,
-                static_cast<long long>(r.requests), r.layout == "v" ? "V-first" : "K-first", r.pool.c_str(),
-                r.us, tokens / r.us * 1e6, r.bound_us, 100.0 * r.bound_us / r.us, base, speedup);
+    std::printf("%7d %5lld %4s %8s %5s %11.1f %10.0f %11.1f %8.0f%% %13s %9s\n", r.threads,
+                static_cast<long long>(r.requests), r.gate == "head" ? "GDN" : "KDA",
+                r.layout == "v" ? "V-first" : "K-first", r.pool.c_str(), r.us, tokens / r.us * 1e6,
+                r.bound_us, 100.0 * r.bound_us / r.us, base, speedup);
   }
   std::fflush(stdout);
 }
@@ -619,77 +642,81 @@ int run_decode(const Options& o) {
     const double copy = copy_bandwidth(t, 5);
     if (!o.json) {
       std::printf("\n%d thread(s): copy bandwidth %.1f GB/s\n", t, copy / 1e9);
-      std::printf("%7s %5s %8s %5s %11s %10s %11s %9s %13s %9s\n", "threads", "N", "layout", "pool",
-                  "us/step", "tokens/s", "bound us", "of bound", "baseline us", "speedup");
+      std::printf("%7s %5s %4s %8s %5s %11s %10s %11s %9s %13s %9s\n", "threads", "N", "gate", "layout",
+                  "pool", "us/step", "tokens/s", "bound us", "of bound", "baseline us", "speedup");
     }
-    for (int64_t N : requests) {
-      Case s = base;
-      s.B = N;
-      Case c = s;  // mild log-decay gates, fp32
-      c.seed = o.seed;
-      hs::Data d;
-      hs::make_data(c, d);
-      hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/false, /*chunk_states=*/false);
-      const kda::ForwardOutputs fo = hs::forward_outputs(fb);
-      const int64_t slots = o.slots.value_or(2 * N * columns);
-      if (slots < N * columns) usage_error("--slots must be at least B (x T with --spec)");
-      // Distinct random slots for every (request, column); starting columns at random when speculating.
-      std::vector<int64_t> order(static_cast<size_t>(slots));
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), rng);
-      std::vector<int64_t> indices(order.begin(), order.begin() + N * columns),
-          accepted(static_cast<size_t>(N), 1);
-      if (o.spec)
-        for (auto& a : accepted) a = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(columns));
-      std::vector<int64_t> start_slots(static_cast<size_t>(N));
-      for (int64_t n = 0; n < N; ++n)
-        start_slots[n] = indices[static_cast<size_t>(n * columns + accepted[n] - 1)];
-      kda::DecodeInputs in;
-      in.fwd = d.inputs();
-      in.fwd.initial_state = nullptr;  // the states are in the pool
-      in.state_indices = kda::make_indices(indices.data(), N, columns);
-      if (o.spec) in.num_accepted_tokens = kda::make_indices(accepted.data(), N);
-      kda::DecodeOutputs out;
-      out.o = fo.o;
-      // About 0.2 s per timed batch at K = V = 128: fewer steps per batch for larger batches.
-      const int64_t calls = o.calls.value_or(std::max<int64_t>(4, 800 / std::max<int64_t>(N, 8)));
+    for (int64_t N : requests)
+      for (const std::string& gate : o.gates) {
+        Case s = base;
+        s.B = N;
+        Case c = s;  // mild log-decay gates, fp32
+        c.gate_width = gate == "head" ? kda::GateWidth::per_head : kda::GateWidth::per_key;
+        c.seed = o.seed;
+        hs::Data d;
+        hs::make_data(c, d);
+        hs::ForwardOut fb = hs::forward_buffers(d, /*final_state=*/false, /*chunk_states=*/false);
+        const kda::ForwardOutputs fo = hs::forward_outputs(fb);
+        const int64_t slots = o.slots.value_or(2 * N * columns);
+        if (slots < N * columns) usage_error("--slots must be at least B (x T with --spec)");
+        // Distinct random slots for every (request, column); starting columns at random when speculating.
+        std::vector<int64_t> order(static_cast<size_t>(slots));
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        std::vector<int64_t> indices(order.begin(), order.begin() + N * columns),
+            accepted(static_cast<size_t>(N), 1);
+        if (o.spec)
+          for (auto& a : accepted) a = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(columns));
+        std::vector<int64_t> start_slots(static_cast<size_t>(N));
+        for (int64_t n = 0; n < N; ++n)
+          start_slots[n] = indices[static_cast<size_t>(n * columns + accepted[n] - 1)];
+        kda::DecodeInputs in;
+        in.fwd = d.inputs();
+        in.fwd.initial_state = nullptr;  // the states are in the pool
+        in.state_indices = kda::make_indices(indices.data(), N, columns);
+        if (o.spec) in.num_accepted_tokens = kda::make_indices(accepted.data(), N);
+        kda::DecodeOutputs out;
+        out.o = fo.o;
+        // About 0.2 s per timed batch at K = V = 128: fewer steps per batch for larger batches.
+        const int64_t calls = o.calls.value_or(std::max<int64_t>(4, 800 / std::max<int64_t>(N, 8)));
 
-      for (const std::string& layout : o.layouts) {
-        for (const std::string& dtype_name : o.pool_dtypes) {
-          kda::Problem p = d.problem();
-          p.state_layout = layout == "v" ? kda::StateLayout::v_first : kda::StateLayout::k_first;
-          const kda::DType dtype = dtype_name == "bf16" ? kda::DType::bf16 : kda::DType::f32;
-          const size_t element = dtype == kda::DType::bf16 ? 2 : 4;
-          std::vector<unsigned char> storage = random_pool(slots, slot_elements, dtype, rng);
-          const kda::StatePool pool{storage.data(), dtype, slots, 0};
-          const kda::RunOptions opt{t};
-          const std::vector<double> batches = kda_demo::time_runs("", reps, [&] {
-            for (int64_t i = 0; i < calls; ++i) kda::decode(p, in, pool, out, opt);
-          });
-          DecodeRow row{t, layout, dtype_name, N, 0, 0, 0, 0};
-          row.us = kda_demo::median(batches) / static_cast<double>(calls) * 1e6;
-          // Each request's state read once, and written once per stored state.
-          const double writes = static_cast<double>(N) * static_cast<double>(columns);
-          row.state_bytes = (static_cast<double>(N) + writes) * static_cast<double>(slot_elements * element);
-          row.bound_us = row.state_bytes / copy * 1e6;
-
-          // The baseline moves the same states (speculative per-token states are not available to it:
-          // it stores only the final one).
-          GatherForwardScatter g{
-              p,           d.inputs(),     fo,    std::vector<float>(static_cast<size_t>(N) * slot_elements),
-              start_slots, storage.data(), dtype, slot_elements};
-          g.in.initial_state = g.dense.data();
-          g.out.final_state = g.dense.data();
-          if (o.baseline) {
-            const std::vector<double> base_batches = kda_demo::time_runs("", reps, [&] {
-              for (int64_t i = 0; i < calls; ++i) g.run(opt);
+        for (const std::string& layout : o.layouts) {
+          for (const std::string& dtype_name : o.pool_dtypes) {
+            kda::Problem p = d.problem();
+            p.state_layout = layout == "v" ? kda::StateLayout::v_first : kda::StateLayout::k_first;
+            const kda::DType dtype = dtype_name == "bf16" ? kda::DType::bf16 : kda::DType::f32;
+            const size_t element = dtype == kda::DType::bf16 ? 2 : 4;
+            std::vector<unsigned char> storage = random_pool(slots, slot_elements, dtype, rng);
+            const kda::StatePool pool{storage.data(), dtype, slots, 0};
+            const kda::RunOptions opt{t};
+            const std::vector<double> batches = kda_demo::time_runs("", reps, [&] {
+              for (int64_t i = 0; i < calls; ++i) kda::decode(p, in, pool, out, opt);
             });
-            row.baseline_us = kda_demo::median(base_batches) / static_cast<double>(calls) * 1e6;
+            DecodeRow row{t, gate, layout, dtype_name, N, 0, 0, 0, 0};
+            row.us = kda_demo::median(batches) / static_cast<double>(calls) * 1e6;
+            // Each request's state read once, and written once per stored state.
+            const double writes = static_cast<double>(N) * static_cast<double>(columns);
+            row.state_bytes =
+                (static_cast<double>(N) + writes) * static_cast<double>(slot_elements * element);
+            row.bound_us = row.state_bytes / copy * 1e6;
+
+            // The baseline moves the same states (speculative per-token states are not available to it:
+            // it stores only the final one).
+            GatherForwardScatter g{p,           d.inputs(),
+                                   fo,          std::vector<float>(static_cast<size_t>(N) * slot_elements),
+                                   start_slots, storage.data(),
+                                   dtype,       slot_elements};
+            g.in.initial_state = g.dense.data();
+            g.out.final_state = g.dense.data();
+            if (o.baseline) {
+              const std::vector<double> base_batches = kda_demo::time_runs("", reps, [&] {
+                for (int64_t i = 0; i < calls; ++i) g.run(opt);
+              });
+              row.baseline_us = kda_demo::median(base_batches) / static_cast<double>(calls) * 1e6;
+            }
+            print_decode_row(o, s, row, copy / 1e9);
           }
-          print_decode_row(o, s, row, copy / 1e9);
         }
       }
-    }
   }
   return 0;
 }

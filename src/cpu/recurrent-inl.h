@@ -344,6 +344,135 @@ void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t 
   }
 }
 
+// ---- forward with one decay per token (the gated delta rule) ------------------------------------
+
+// With a per-head gate the decay of the state is one number a_t per token, so the tokens of a block
+// are taken kGroup at a time. From P, the state before the group (S2 of the token before it), with
+// A_j = a_0 a_1 ... a_j over the group's tokens j = 0 .. c-1 (docs/math.md, "The scalar gate"):
+//   x_j = A_j P^T k_j + sum_{i<j} (A_j / A_i) (k_i . k_j) r_i,        r_j = beta_j (v_j - x_j),
+//   o_j = scale (A_j P^T q_j + sum_{i<=j} (A_j / A_i) (k_i . q_j) r_i),
+//   P'  = A_{c-1} P + sum_i k_i ((A_{c-1} / A_i) r_i)^T.
+// Every A_j / A_i is formed as the product a_{i+1} ... a_j (<= 1), never as a quotient, so a decay
+// that underflows to 0 stays exact. One pass over the state per group writes P' and accumulates
+// P'^T k and P'^T q of the next group: 3c + 1 vector operations per state vector for c tokens,
+// against 4 per token for the per-key kernel (1.23x fewer at c = 4), and one load and store of the
+// state per group instead of per token.
+constexpr int kGroup = 4;
+// Vectors per row of one sweep: the group's 2c accumulators and c residuals per vector must stay in
+// registers (24 of AVX-512's 32 at 2 vectors; 12 of AVX2's 16 at 1).
+constexpr int kScalarGateVectors = (HWY_TARGET == HWY_AVX2) ? 1 : 2;
+
+// The per-group scalars of the formulas above, shared by every column of a head's state.
+struct GateGroup {
+  float A[kGroup];           // A_j
+  float xk[kGroup][kGroup];  // [i][j], i < j: (A_j / A_i) (k_i . k_j)
+  float oq[kGroup][kGroup];  // [i][j], i <= j: (A_j / A_i) (k_i . q_j)
+  float carry[kGroup];       // A_{c-1} / A_i
+};
+
+// The groups of tokens [0, n) of one head's block rows; a: the decay of each token. Tokens past n
+// (up to the group boundary) must be identity steps: k = q = 0, beta = 0, a = 1.
+void gate_groups(int64_t n, int64_t Kp, const float* q, const float* k, const float* a, GateGroup* groups) {
+  for (int64_t g0 = 0, gi = 0; g0 < n; g0 += kGroup, ++gi) {
+    GateGroup& G = groups[gi];
+    float prod = 1.0f;
+    for (int j = 0; j < kGroup; ++j) G.A[j] = prod = prod * a[g0 + j];
+    for (int j = 0; j < kGroup; ++j) {
+      float ratio = 1.0f;  // A_j / A_i, built from i = j downwards
+      for (int i = j; i >= 0; --i) {
+        const float* ki = k + (g0 + i) * Kp;
+        G.oq[i][j] = ratio * dot(ki, q + (g0 + j) * Kp, Kp);
+        G.xk[i][j] = i < j ? ratio * dot(ki, k + (g0 + j) * Kp, Kp) : 0.0f;
+        ratio *= a[g0 + i];
+      }
+    }
+    float carry = 1.0f;
+    for (int i = kGroup - 1; i >= 0; --i) {
+      G.carry[i] = carry;
+      carry *= a[g0 + i];
+    }
+  }
+}
+
+// Runs the `groups` groups of one block of rows through NV vectors of columns of the state, whose rows
+// are ld floats apart. q, k: [groups * kGroup][Kp]; v, o: [.][Vp], offset to the first column.
+template <int NV, bool kOutput>
+HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t Kp, int64_t Vp,
+                                              const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
+                                              const GateGroup* HWY_RESTRICT coefs,
+                                              const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
+                                              float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, int64_t ld,
+                                              float scale, const PrefetchShare& pf) {
+  const DF d;
+  const int64_t L = lanes();
+  constexpr int C = kGroup;
+  VectorArray<NV * C> X, Y;  // P^T k_j and P^T q_j of the group, at j * NV + c
+  for (int i = 0; i < NV * C; ++i) X.set(i, hn::Zero(d)), Y.set(i, hn::Zero(d));
+  for (int64_t r = 0; r < K; ++r) {
+    const float* row = Sb + r * ld;
+    for (int c = 0; c < NV; ++c) {
+      const VF s = hn::LoadU(d, row + c * L);
+      for (int j = 0; j < C; ++j) {
+        X.set(j * NV + c, hn::MulAdd(hn::Set(d, k[j * Kp + r]), s, X.get(j * NV + c)));
+        if constexpr (kOutput) Y.set(j * NV + c, hn::MulAdd(hn::Set(d, q[j * Kp + r]), s, Y.get(j * NV + c)));
+      }
+    }
+  }
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    pf.step(gi, groups);
+    const GateGroup& G = coefs[gi];
+    const int64_t t0 = gi * C;
+    // Residuals and outputs of the group's tokens, in token order.
+    VectorArray<NV * C> R;
+    for (int j = 0; j < C; ++j) {
+      const VF vA = hn::Set(d, G.A[j]);
+      for (int c = 0; c < NV; ++c) {
+        VF x = hn::Mul(vA, X.get(j * NV + c));
+        for (int i = 0; i < j; ++i) x = hn::MulAdd(hn::Set(d, G.xk[i][j]), R.get(i * NV + c), x);
+        R.set(j * NV + c,
+              hn::Mul(hn::Set(d, beta[t0 + j]), hn::Sub(hn::LoadU(d, v + (t0 + j) * Vp + c * L), x)));
+        if constexpr (kOutput) {
+          VF y = hn::Mul(vA, Y.get(j * NV + c));
+          for (int i = 0; i <= j; ++i) y = hn::MulAdd(hn::Set(d, G.oq[i][j]), R.get(i * NV + c), y);
+          hn::StoreU(hn::Mul(hn::Set(d, scale), y), d, o + (t0 + j) * Vp + c * L);
+        }
+      }
+    }
+    for (int i = 0; i < C; ++i)
+      for (int c = 0; c < NV; ++c) R.set(i * NV + c, hn::Mul(hn::Set(d, G.carry[i]), R.get(i * NV + c)));
+    // P' = A_{c-1} P + sum_i k_i R_i^T, row by row, with the next group's P'^T k and P'^T q.
+    const VF vA = hn::Set(d, G.A[C - 1]);
+    const float* kg = k + t0 * Kp;
+    if (gi + 1 < groups) {
+      const float* kn = kg + C * Kp;
+      const float* qn = q + (t0 + C) * Kp;
+      for (int i = 0; i < NV * C; ++i) X.set(i, hn::Zero(d)), Y.set(i, hn::Zero(d));
+      for (int64_t r = 0; r < K; ++r) {
+        float* row = Sb + r * ld;
+        for (int c = 0; c < NV; ++c) {
+          VF s = hn::Mul(hn::LoadU(d, row + c * L), vA);
+          for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[i * Kp + r]), R.get(i * NV + c), s);
+          hn::StoreU(s, d, row + c * L);
+          for (int j = 0; j < C; ++j) {
+            X.set(j * NV + c, hn::MulAdd(hn::Set(d, kn[j * Kp + r]), s, X.get(j * NV + c)));
+            if constexpr (kOutput)
+              Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qn[j * Kp + r]), s, Y.get(j * NV + c)));
+          }
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < K; ++r) {
+        float* row = Sb + r * ld;
+        for (int c = 0; c < NV; ++c) {
+          VF s = hn::Mul(hn::LoadU(d, row + c * L), vA);
+          for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[i * Kp + r]), R.get(i * NV + c), s);
+          hn::StoreU(s, d, row + c * L);
+        }
+      }
+    }
+  }
+}
+
 // exp(g) in place over rows [0, n) of a [n][Kp] tile (padded lanes become 1; never used).
 void exp_rows(float* g, int64_t n, int64_t Kp) {
   const DF d;
@@ -376,10 +505,12 @@ struct BlockRows {
 
 // Per-thread memory of the forward walk over a group of value heads of one sequence.
 struct ForwardWork {
-  int64_t K, V, Kp, Vp, heads;  // room for `heads` value heads
-  Buffer<float> S;              // blocked states, K * Vp per head
-  BlockRows rows[2];            // the block being swept and the next one, gathered during the sweep
-  Buffer<float> o;              // output rows of one block, kC * Vp per head
+  int64_t K, V, Kp, Vp, heads;         // room for `heads` value heads
+  Buffer<float> S;                     // blocked states, K * Vp per head
+  BlockRows rows[2];                   // the block being swept and the next one, gathered during the sweep
+  Buffer<float> o;                     // output rows of one block, kC * Vp per head
+  Buffer<float> decay;                 // per-head gate: each token's decay a_t, kC per head
+  std::vector<GateGroup> gate_groups;  // per-head gate: the block's groups, kC / kGroup per head
   ForwardWork(int64_t K_, int64_t V_, int64_t heads_)
       : K(K_),
         V(V_),
@@ -389,13 +520,16 @@ struct ForwardWork {
         rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)} {
     S.reset(heads * K * Vp);
     o.reset(heads * kC * Vp);
+    decay.reset(heads * kC);
+    gate_groups.resize(static_cast<size_t>(heads * (kC / kGroup)));
   }
   BlockedState state(int64_t j) const { return {K, Vp, block_width(), S.data() + j * K * Vp}; }
   float* output(int64_t j) const { return o.data() + j * kC * Vp; }
   // The bytes the constructor allocates per head.
   static int64_t bytes_per_head(int64_t K, int64_t V) {
     const int64_t Kp = padded(K), Vp = padded(V);
-    return static_cast<int64_t>(sizeof(float)) * (K * Vp + 2 * kC * (3 * Kp + Vp + 1) + kC * Vp);
+    return static_cast<int64_t>(sizeof(float)) * (K * Vp + 2 * kC * (3 * Kp + Vp + 1) + kC * Vp + kC) +
+           static_cast<int64_t>(sizeof(GateGroup)) * (kC / kGroup);
   }
 };
 
@@ -410,6 +544,61 @@ inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, c
   load_rows_of_heads(plan, in, seq, hv0, heads, t_begin, first, count,
                      [&](int64_t j, int64_t i) { return rows.from(j, i); });
   for (int64_t j = 0; j < heads; ++j) exp_rows(rows.from(j, first).g, count, rows.Kp);
+}
+
+// The sweep of one block of n tokens of `heads` value heads with a per-head gate (see
+// forward_columns_scalar_gate): the rows past n up to the group boundary become identity steps, each
+// head's groups are formed once, then every column block is swept in slices of kScalarGateVectors
+// vectors. After each column block, gather(first, count) reads the slice of the next block's rows
+// that its prefetches covered.
+template <bool kOutput, typename Gather>
+void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const BlockRows& cur, ForwardWork& w,
+                       const RowPrefetch& next_in, const RowPrefetch& this_out, const Gather& gather,
+                       core::PhaseClock& clock) {
+  const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, L = lanes(), W = block_width();
+  const int64_t blocks = (Vp + W - 1) / W;
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  const RowPrefetch none{};
+  for (int64_t j = 0; j < heads; ++j) {
+    const ChunkRows rows = cur.from(j, 0);
+    for (int64_t i = n; i < groups * kGroup; ++i) {
+      std::fill(rows.q + i * Kp, rows.q + (i + 1) * Kp, 0.0f);
+      std::fill(rows.k + i * Kp, rows.k + (i + 1) * Kp, 0.0f);
+      std::fill(rows.v + i * Vp, rows.v + (i + 1) * Vp, 0.0f);
+      rows.beta[i] = 0.0f;
+      rows.g[i * Kp] = 1.0f;  // exp(g): no decay
+    }
+    float* a = w.decay.data() + j * kC;
+    for (int64_t i = 0; i < groups * kGroup; ++i) a[i] = rows.g[i * Kp];
+    gate_groups(groups * kGroup, Kp, rows.q, rows.k, a, w.gate_groups.data() + j * (kC / kGroup));
+  }
+  for (int64_t j = 0; j < heads; ++j) {
+    const BlockedState S = w.state(j);
+    const ChunkRows rows = cur.from(j, 0);
+    const GateGroup* coefs = w.gate_groups.data() + j * (kC / kGroup);
+    for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
+      const int64_t wb = S.width(c0);
+      const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
+      const PrefetchShare quiet(none, none, 0, 1);
+      for (int64_t sc = 0; sc < wb; sc += kScalarGateVectors * L) {
+        const int nv = static_cast<int>(std::min<int64_t>(kScalarGateVectors, (wb - sc) / L));
+        const PrefetchShare& pf = sc == 0 ? share : quiet;
+        float* Sb = S.block(c0) + sc;
+        const float* v = rows.v + c0 + sc;
+        float* o = w.output(j) + c0 + sc;
+        if (nv == 2) {
+          if constexpr (kScalarGateVectors >= 2)
+            forward_columns_scalar_gate<2, kOutput>(K, groups, Kp, Vp, rows.q, rows.k, coefs, rows.beta, v, o,
+                                                    Sb, wb, plan.scale, pf);
+        } else {
+          forward_columns_scalar_gate<1, kOutput>(K, groups, Kp, Vp, rows.q, rows.k, coefs, rows.beta, v, o,
+                                                  Sb, wb, plan.scale, pf);
+        }
+      }
+      clock.lap(core::Phase::recurrent_sweep);
+      gather(share.first[0], share.count[0]);
+    }
+  }
 }
 
 // Walks value heads [hv0, hv0 + heads) of one sequence forward (heads <= w.heads). With `out` it
@@ -454,21 +643,32 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
       this_out.add(out->o, seq.batch_index, seq.first_token + t0, hv0, V, heads);
       this_out.rows = n;
     }
-    for (int64_t j = 0; j < heads; ++j) {
-      const BlockedState S = w.state(j);
-      const ChunkRows rows = cur.from(j, 0);
-      for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
-        const int nv = static_cast<int>(S.width(c0) / L);
-        const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
-        forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
-                                          w.output(j) + c0, S.block(c0), plan.scale, share);
-        clock.lap(core::Phase::recurrent_sweep);
-        if (next_n > 0) {
-          gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
-          clock.lap(core::Phase::gather);
+    if (plan.per_head_gate()) {
+      scalar_gate_sweep<kOutput>(
+          plan, n, heads, cur, w, next_in, this_out,
+          [&](int64_t share_first, int64_t share_count) {
+            if (next_n > 0) {
+              gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share_first, share_count, next);
+              clock.lap(core::Phase::gather);
+            }
+          },
+          clock);
+    } else
+      for (int64_t j = 0; j < heads; ++j) {
+        const BlockedState S = w.state(j);
+        const ChunkRows rows = cur.from(j, 0);
+        for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
+          const int nv = static_cast<int>(S.width(c0) / L);
+          const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
+          forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
+                                            w.output(j) + c0, S.block(c0), plan.scale, share);
+          clock.lap(core::Phase::recurrent_sweep);
+          if (next_n > 0) {
+            gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
+            clock.lap(core::Phase::gather);
+          }
         }
       }
-    }
     if constexpr (kOutput) {
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < heads; ++j)
