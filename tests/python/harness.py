@@ -145,6 +145,7 @@ class Case:
     dt_bias: bool = True  # fused gates: pass a dt_bias
     beta: str = "given"  # or "sigmoid", "sigmoid_x2": beta passed as logits
     qk_l2norm: bool = False
+    gate_width: str = "per_key"  # or "per_head": the gated delta rule's g [B, T, HV], dt_bias [HV]
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -152,6 +153,8 @@ class Case:
             raise ValueError(
                 f"regime {self.regime!r} is not defined in {DEFINITIONS.name} ({', '.join(REGIMES)})"
             )
+        if self.gate_width not in ("per_key", "per_head"):
+            raise ValueError(f"gate_width {self.gate_width!r}: expected per_key or per_head")
 
     def __str__(self):
         shape = f"B{self.B}T{self.T}H{self.H}HV{self.HV}K{self.K}V{self.V}"
@@ -164,6 +167,8 @@ class Case:
             parts.append(self.beta)
         if self.qk_l2norm:
             parts.append("l2")
+        if self.gate_width == "per_head":
+            parts.append("perhead")
         if self.cu_seqlens is not None:
             parts.append("varlen" + "-".join(map(str, self.cu_seqlens)))
         if self.state_v_first:
@@ -175,6 +180,11 @@ class Case:
         return "_".join(parts)
 
     @property
+    def gate_dim(self):
+        """g's last dimension: K per key channel, 1 per head (then dropped: g [B, T, HV])."""
+        return 1 if self.gate_width == "per_head" else self.K
+
+    @property
     def num_sequences(self):
         return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
 
@@ -184,9 +194,10 @@ def _draw(name, gen, *shape):
 
 
 def _gates(case, gen):
-    """g as the case's regime draws it, and (fused gate) A_log and dt_bias: definitions.txt's rules."""
+    """g as the case's regime draws it, and (fused gate) A_log and dt_bias: definitions.txt's rules
+    (a per-head gate is drawn as one of a single key channel, as the C++ harness does)."""
     r = _REGIMES[case.regime]
-    B, T, HV, K = case.B, case.T, case.HV, case.K
+    B, T, HV, K = case.B, case.T, case.HV, case.gate_dim
     fused = case.gate != "log_decay"
     computed = r.fields["decay"].kind == "softplus_gate"
     A_log = dt_bias = None
@@ -214,6 +225,8 @@ def _gates(case, gen):
         g = r.fields["decay"].draw(gen, B, T, HV, K)
     if r.spikes is not None:
         g[spike] = r.spikes[3] if fused else r.spikes[2]
+    if case.gate_width == "per_head":
+        g = g.squeeze(-1)
     if not fused:
         return g, {}
     options = {"use_gate_in_kernel": True, "A_log": A_log.float()}
@@ -291,8 +304,12 @@ def gate_parameter_magnitudes(dg_raw, tensors, options):
     of the raw gate: ddt_bias sums dg_raw over tokens; dA_log sums dg_raw * r with r = softplus(u) /
     sigmoid(u) (softplus gate) or r = u (lower-bound gate), u = g + dt_bias."""
     g = tensors["g"].double()
+    if g.dim() == 3:  # a per-head gate: one channel
+        g = g.unsqueeze(-1)
+        dg_raw = dg_raw.unsqueeze(-1)
     HV, K = g.shape[-2:]
-    u = g + options["dt_bias"].double().reshape(HV, K)
+    bias = options.get("dt_bias")
+    u = g if bias is None else g + bias.double().reshape(HV, K)
     if options.get("lower_bound") is None:
         r = torch.nn.functional.softplus(u) / torch.sigmoid(u)
     else:

@@ -6,7 +6,7 @@ falls back to it), and the ops' arguments must come from the one options record.
 import kda
 import pytest
 import torch
-from harness import KIMI, LOWER_BOUND, Case, as_oracle, make_inputs
+from harness import KIMI, LOWER_BOUND, Case, as_oracle, make_inputs, rel_rms
 from kda import _ops
 
 # The schemas as they were spelled out by hand before the options record: generating them from
@@ -262,8 +262,8 @@ def test_one_problem_validation_per_engine_call(monkeypatch, fast):
 @pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
 def test_a_per_head_gate_reaches_the_engine(path):
     """A 3-D g [B, T, HV] is the gated delta rule's scalar gate: the ops pass its width to the engine,
-    whose kernels refuse it for now by name; the float64 oracle computes it, as KDA's gate with the
-    head's value in every key channel."""
+    which computes it as KDA's gate with the head's value in every key channel (the float64 oracle
+    bitwise; the kernels, which use the scalar structure, to fp32 rounding)."""
     dtype = torch.float64 if path == "reference" else torch.float32
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 8, 2, 16, generator=gen, dtype=dtype) for _ in range(2))
@@ -279,8 +279,9 @@ def test_a_per_head_gate_reaches_the_engine(path):
                 o_wide, final_wide, _ = _ops.forward(path, direct, *wide)
                 assert torch.equal(o, o_wide) and torch.equal(final, final_wide)
                 continue
-            with pytest.raises(ValueError, match="'gate_width': per_head .* not supported yet"):
-                _ops.forward(path, direct, *args)
+            o, final, _ = _ops.forward(path, direct, *args)
+            o_wide, final_wide, _ = _ops.forward(path, direct, *wide)
+            assert rel_rms(o, o_wide) <= 2e-6 and rel_rms(final, final_wide) <= 2e-6
 
 
 # ---- a torch without the private probes ------------------------------------------------------------
