@@ -166,6 +166,22 @@ TEST(BackwardGatePatterns, PlacedDecays) {
   });
 }
 
+// The per-head gate placed on purpose (see ForwardGatePatterns.PerHeadSpikesAndUnderflow): -1e4
+// spikes at group and block edges, e^-15 per token in one head, the fused softplus gate unbounded.
+TEST(BackwardGatePatterns, PerHeadSpikesAndUnderflow) {
+  check_both_kernels(bwd("T=150 H=2 HV=4 K=40 V=24 per_head h0 seed=621"), [](Data& d) {
+    for (int64_t t = 0; t < d.c.T; ++t) {
+      d.g.set(0, t, 1, 0, -15.0);
+      if (t == 3 || t == 4 || t == 63 || t == 64 || t == 149) d.g.set(0, t, 0, 0, -1e4);
+    }
+  });
+  check_both_kernels(bwd("T=150 H=2 HV=4 K=40 V=24 regime=unbounded softplus per_head h0 seed=622"),
+                     [](Data& d) {
+                       for (int64_t t : {0, 3, 64, 100})
+                         d.g.set(0, t, 2, 0, 1e4);  // raw: softplus(1e4) = 1e4
+                     });
+}
+
 // ---- case grids ----------------------------------------------------------------------------------
 
 // The forward's grid (light where T = 1000), each case with or without a final-state gradient.

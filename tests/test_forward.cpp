@@ -163,6 +163,30 @@ TEST(ForwardGatePatterns, PlacedDecays) {
     }
 }
 
+// The per-head gate placed on purpose: -1e4 spikes (a decay that underflows to exactly 0) on single
+// and consecutive tokens, on the first and last token of a 4-token group and of a 64-token block, a
+// head decaying at e^-15 per token, and -1e-30 (no decay to float precision); T = 150 leaves a partial
+// group and block.
+TEST(ForwardGatePatterns, PerHeadSpikesAndUnderflow) {
+  const Case c = parse_case("T=150 H=2 HV=4 K=40 V=40 per_head h0 seed=612");
+  SCOPED_TRACE(c.name());
+  Data d;
+  make_data(c, d);
+  for (int64_t t = 0; t < c.T; ++t) {
+    d.g.set(0, t, 1, 0, -15.0);
+    d.g.set(0, t, 2, 0, -1e-30);
+    if (t == 3 || t == 4 || t == 63 || t == 64 || t == 100 || t == 149) d.g.set(0, t, 0, 0, -1e4);
+    if (t == 0 || t == 128) d.g.set(0, t, 3, 0, -1e4);
+  }
+  const reference::ForwardResult ref = oracle_forward(d);
+  ASSERT_TRUE(all_finite(ref.o));
+  for (Kernel k : kKernels)
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(threads);
+      check_parity(k, d, ref, RunOptions{threads});
+    }
+}
+
 // Values of 1e33 (states of ~1e34) stay finite and meet the tolerance: nothing in either kernel
 // scales the state up (a channel at e^-4.6 per token, the others without decay).
 TEST(ForwardGatePatterns, LargeValuesStayFinite) {

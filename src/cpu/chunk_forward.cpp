@@ -70,7 +70,7 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
         clock.lap(core::Phase::state_io);
       }
       fw.rows[j].swap_with(w);
-      prepare_gathered_chunk(w, n, plan.scale, clock);
+      prepare_gathered_chunk(w, n, plan.scale, plan.per_head_gate(), clock);
       make_vn_in_place(w, n, S);
       const float* Vn = w.U();
       gemm(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);

@@ -16,6 +16,8 @@
 #define KDA_CPU_CHUNK_INTRA_INL_H_
 #endif
 
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "core/phase_clock.hpp"
@@ -225,6 +227,72 @@ inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
   }
 }
 
+// ---- the per-head gate (the gated delta rule) -----------------------------------------------------
+// With one decay per row every factor above is a number per row (the gathered g rows hold the head's
+// gate in every channel; only channel 0 is read), and the decay between rows i >= j is one number
+// E_ij, so L and P are the plain products K K^T and Q K^T followed by one C x C decay mask
+// (docs/math.md, "The scalar gate"). exp(G_i) and exp(G_last - G_i) are exponentials of direct sums
+// as above; E_ij = a_{j+1} ... a_i (a_t = e^{g_t} <= 1) is a product, never formed from a difference
+// of prefix sums.
+
+// build_decay_factors for a per-head gate: the same arrays, each row one number repeated (the
+// backward reads them per channel).
+inline void build_decay_factors_scalar(ChunkWork& w, int64_t n, float scale) {
+  const int64_t Kp = w.Kp;
+  const auto fill_row = [&](Buffer<float>& b, int64_t i, float x) {
+    std::fill(b.data() + i * Kp, b.data() + (i + 1) * Kp, x);
+  };
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = std::min(0.0, static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
+    acc += g;
+    fill_row(w.eG, i, static_cast<float>(std::exp(acc)));
+    fill_row(w.eg, i, static_cast<float>(std::exp(g)));
+  }
+  std::copy(w.eG.data() + (n - 1) * Kp, w.eG.data() + n * Kp, w.decay_last.data());
+  acc = 0.0;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    fill_row(w.eGd, i, static_cast<float>(std::exp(acc)));
+    acc += std::min(0.0, static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float eG = w.eG[static_cast<size_t>(i * Kp)], eGd = w.eGd[static_cast<size_t>(i * Kp)];
+    scale_row(scale * eG, w.q.data() + i * Kp, w.Qe.data() + i * Kp, Kp);
+    scale_row(eG, w.k.data() + i * Kp, w.Kg.data() + i * Kp, Kp);
+    scale_row(eGd, w.k.data() + i * Kp, w.Kd.data() + i * Kp, Kp);
+  }
+}
+
+// build_intra for a per-head gate: P = scale (Q K^T) o E and L = diag(beta) (K K^T) o E (strictly
+// lower), the products as two GEMMs over the chunk.
+inline void build_intra_scalar(ChunkWork& w, int64_t n, float scale, bool need_p) {
+  const int64_t Kp = w.Kp;
+  float* Lm = w.L.data();
+  float* Pm = w.P.data();
+  float* kT = w.kbT.data();  // [Kp][C]: K^T, zero past row n
+  std::fill(kT, kT + Kp * C, 0.0f);
+  transpose(w.k.data(), Kp, n, w.K, kT, C);
+  gemm(n, C, w.K, w.k.data(), Kp, 1, kT, C, Lm, C, Accumulate::overwrite);
+  if (need_p) gemm(n, C, w.K, w.q.data(), Kp, 1, kT, C, Pm, C, Accumulate::overwrite);
+  for (int64_t i = 0; i < n; ++i) {
+    float* Li = Lm + i * C;
+    float* Pi = Pm + i * C;
+    const float bi = w.beta[static_cast<size_t>(i)];
+    float E = 1.0f;  // E_ij, from j = i downwards
+    Pi[i] = need_p ? scale * Pi[i] : 0.0f;
+    Li[i] = 0.0f;
+    for (int64_t j = i - 1; j >= 0; --j) {
+      E *= w.eg[static_cast<size_t>((j + 1) * Kp)];
+      Li[j] = bi * E * Li[j];
+      Pi[j] = need_p ? scale * E * Pi[j] : 0.0f;
+    }
+    std::fill(Li + i + 1, Li + C, 0.0f);
+    std::fill(Pi + i + 1, Pi + C, 0.0f);
+  }
+  std::fill(Lm + n * C, Lm + C * C, 0.0f);
+  std::fill(Pm + n * C, Pm + C * C, 0.0f);
+}
+
 // Solves (I + L) X = [diag(beta) K e^G | diag(beta) V] in place for rows [0, n): forward
 // substitution, one 16-row block at a time (a product with the solved rows, then the block itself).
 inline void solve_wy(ChunkWork& w, int64_t n) {
@@ -252,11 +320,18 @@ enum class ChunkNeeds { all, state_only };
 
 // The chunk's decay factors, L and P, and the WY solve, from rows [0, n) already in w. Each step's
 // time goes to the caller's phase clock.
-inline void prepare_gathered_chunk(ChunkWork& w, int64_t n, float scale, core::PhaseClock& clock,
-                                   ChunkNeeds needs = ChunkNeeds::all) {
-  build_decay_factors(w, n, scale);
+// scalar_gate: the problem's gate is per head (see build_intra_scalar).
+inline void prepare_gathered_chunk(ChunkWork& w, int64_t n, float scale, bool scalar_gate,
+                                   core::PhaseClock& clock, ChunkNeeds needs = ChunkNeeds::all) {
+  if (scalar_gate)
+    build_decay_factors_scalar(w, n, scale);
+  else
+    build_decay_factors(w, n, scale);
   clock.lap(core::Phase::decay_factors);
-  build_intra(w, n, scale, needs == ChunkNeeds::all);
+  if (scalar_gate)
+    build_intra_scalar(w, n, scale, needs == ChunkNeeds::all);
+  else
+    build_intra(w, n, scale, needs == ChunkNeeds::all);
   clock.lap(core::Phase::intra_matrices);
   solve_wy(w, n);
   clock.lap(core::Phase::wy_solve);
@@ -268,7 +343,7 @@ inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const
                           ChunkNeeds needs = ChunkNeeds::all) {
   load_chunk_rows(plan, in, seq, hv, t_begin, n, w.rows());
   clock.lap(core::Phase::gather);
-  prepare_gathered_chunk(w, n, plan.scale, clock, needs);
+  prepare_gathered_chunk(w, n, plan.scale, plan.per_head_gate(), clock, needs);
 }
 
 // Vn = U - W S, written over U (rows [0, n)); S is the K-first state entering the chunk.
