@@ -87,6 +87,8 @@ decode options:
   --calls N      steps per batch (default 800 / max(N, 8), at least 4)
   --json         one JSON object per row instead of the table
   --no-baseline  skip the gather / recurrent_forward / scatter timing
+  Each row gives the time of an in-place read-modify-write pass over the slots the step writes, in
+  the same run ("rmw us"; "of rmw" = its share of the step's time: 100% runs at that pass's speed).
   Each row also gives the memory-bandwidth bound (state bytes read and written per step over the
   copy bandwidth measured in the same run) and the time of the way without pools: gather the states
   into a dense tensor, one recurrent_forward, scatter them back.
@@ -449,9 +451,11 @@ int run_bench(const Options& o) {
       "kda bench: %s fp32, log-decay gate (mild), medians of %d (forward paths: interleaved rounds)\n",
       s.shape().c_str(), o.reps.value_or(3));
   std::printf("kernels dispatch to SIMD target %s\n", kda::simd_target());
-  std::printf("nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k\n\n",
-              kda_demo::chunk_flops_per_token_head(s.K, s.V) / 1e3,
-              kda_demo::recurrent_flops_per_token_head(s.K, s.V) / 1e3);
+  std::printf(
+      "nominal FLOPs per token per head: chunked %.1f k, recurrent %.1f k (KDA's counts, used for the GDN "
+      "rows too: their GFLOP/s is the KDA-equivalent rate)\n\n",
+      kda_demo::chunk_flops_per_token_head(s.K, s.V) / 1e3,
+      kda_demo::recurrent_flops_per_token_head(s.K, s.V) / 1e3);
   std::fflush(stdout);
   std::fprintf(stderr, "generating inputs...\n");
   Case c = s;  // mild log-decay gates, fp32, a random initial state
@@ -518,6 +522,32 @@ double copy_bandwidth(int threads, int reps) {
   return 2.0 * static_cast<double>(bytes) / kda_demo::median(t);
 }
 
+// Microseconds of one in-place read-modify-write pass over the given slots of a pool (each word
+// XOR-ed with a zero read at run time, so the pass cannot be elided), `threads` threads each taking
+// its share of the slots: the yardstick of a decode step that reads and writes the same states,
+// whatever part of them the caches hold (a memcpy over a large buffer is none there).
+double rmw_pass_us(unsigned char* pool, const std::vector<int64_t>& slots, size_t slot_bytes, int threads,
+                   int64_t calls, int reps) {
+  static volatile uint32_t zero_source = 0;
+  const uint32_t mask = zero_source;
+  const size_t words = slot_bytes / 4, n = slots.size();
+  const std::vector<double> t = kda_demo::time_runs("", reps, [&] {
+    std::vector<std::thread> workers;
+    for (int w = 0; w < threads; ++w)
+      workers.emplace_back([&, w] {
+        const size_t first = n * static_cast<size_t>(w) / static_cast<size_t>(threads);
+        const size_t last = n * static_cast<size_t>(w + 1) / static_cast<size_t>(threads);
+        for (int64_t c = 0; c < calls; ++c)
+          for (size_t i = first; i < last; ++i) {
+            uint32_t* x = reinterpret_cast<uint32_t*>(pool + static_cast<size_t>(slots[i]) * slot_bytes);
+            for (size_t j = 0; j < words; ++j) x[j] ^= mask;
+          }
+      });
+    for (auto& w : workers) w.join();
+  });
+  return kda_demo::median(t) / static_cast<double>(calls) * 1e6;
+}
+
 // A pool of fp32 or bf16 states filled with small random values.
 std::vector<unsigned char> random_pool(int64_t slots, size_t slot_elements, kda::DType dtype,
                                        std::mt19937_64& rng) {
@@ -577,7 +607,7 @@ struct DecodeRow {
   int threads;
   std::string gate, layout, pool;
   int64_t requests;
-  double us, bound_us, baseline_us;
+  double us, bound_us, baseline_us, rmw_us;
   double state_bytes;
 };
 
@@ -589,22 +619,23 @@ void print_decode_row(const Options& o, const Case& s, const DecodeRow& r, doubl
         "\"H\": %lld, "
         "\"K\": %lld, \"V\": %lld, \"spec\": %s, \"us_per_call\": %.3f, \"state_gb_per_s\": %.3f, "
         "\"copy_gb_per_s\": %.3f, \"bound_us\": %.3f, \"fraction_of_bound\": %.4f, "
-        "\"gather_forward_scatter_us\": %s, \"simd_target\": \"%s\"}\n",
+        "\"rmw_us\": %.3f, \"fraction_of_rmw\": %.4f, \"gather_forward_scatter_us\": %s, "
+        "\"simd_target\": \"%s\"}\n",
         r.threads, r.gate.c_str(), r.layout.c_str(), r.pool.c_str(), static_cast<long long>(r.requests),
         static_cast<long long>(s.T), static_cast<long long>(s.H), static_cast<long long>(s.K),
         static_cast<long long>(s.V), o.spec ? "true" : "false", r.us, r.state_bytes / r.us / 1e3, copy_gbs,
-        r.bound_us, r.bound_us / r.us, r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null",
-        kda::simd_target());
+        r.bound_us, r.bound_us / r.us, r.rmw_us, r.rmw_us / r.us,
+        r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null", kda::simd_target());
   } else {
     char base[32] = "-", speedup[32] = "-";
     if (r.baseline_us > 0) {
       std::snprintf(base, sizeof base, "%.1f", r.baseline_us);
       std::snprintf(speedup, sizeof speedup, "%.2fx", r.baseline_us / r.us);
     }
-    std::printf("%7d %5lld %4s %8s %5s %11.1f %10.0f %11.1f %8.0f%% %13s %9s\n", r.threads,
+    std::printf("%7d %5lld %4s %8s %5s %11.1f %10.0f %11.1f %8.0f%% %9.1f %7.0f%% %13s %9s\n", r.threads,
                 static_cast<long long>(r.requests), r.gate == "head" ? "GDN" : "KDA",
                 r.layout == "v" ? "V-first" : "K-first", r.pool.c_str(), r.us, tokens / r.us * 1e6,
-                r.bound_us, 100.0 * r.bound_us / r.us, base, speedup);
+                r.bound_us, 100.0 * r.bound_us / r.us, r.rmw_us, 100.0 * r.rmw_us / r.us, base, speedup);
   }
   std::fflush(stdout);
 }
@@ -643,7 +674,8 @@ int run_decode(const Options& o) {
     if (!o.json) {
       std::printf("\n%d thread(s): copy bandwidth %.1f GB/s\n", t, copy / 1e9);
       std::printf("%7s %5s %4s %8s %5s %11s %10s %11s %9s %13s %9s\n", "threads", "N", "gate", "layout",
-                  "pool", "us/step", "tokens/s", "bound us", "of bound", "baseline us", "speedup");
+                  "pool", "us/step", "tokens/s", "bound us", "of bound", "rmw us", "of rmw", "baseline us",
+                  "speedup");
     }
     for (int64_t N : requests)
       for (const std::string& gate : o.gates) {
@@ -691,13 +723,15 @@ int run_decode(const Options& o) {
             const std::vector<double> batches = kda_demo::time_runs("", reps, [&] {
               for (int64_t i = 0; i < calls; ++i) kda::decode(p, in, pool, out, opt);
             });
-            DecodeRow row{t, gate, layout, dtype_name, N, 0, 0, 0, 0};
+            DecodeRow row{t, gate, layout, dtype_name, N, 0, 0, 0, 0, 0};
             row.us = kda_demo::median(batches) / static_cast<double>(calls) * 1e6;
             // Each request's state read once, and written once per stored state.
             const double writes = static_cast<double>(N) * static_cast<double>(columns);
             row.state_bytes =
                 (static_cast<double>(N) + writes) * static_cast<double>(slot_elements * element);
             row.bound_us = row.state_bytes / copy * 1e6;
+            // The same slots the step writes, read and written in place once.
+            row.rmw_us = rmw_pass_us(storage.data(), indices, slot_elements * element, t, calls, reps);
 
             // The baseline moves the same states (speculative per-token states are not available to it:
             // it stores only the final one).
