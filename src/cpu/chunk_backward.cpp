@@ -122,6 +122,50 @@ void recompute_states(const core::Plan& plan, const ForwardInputs& in, const cor
   clock.lap(core::Phase::states_recompute);
 }
 
+// The intra-chunk pair terms with a per-head gate (docs/math.md, "The scalar gate"): the decay
+// between rows i >= j is one number E_ij = a_{j+1} ... a_i (a product, as in build_intra_scalar), so
+// with MP = dPt o E and ML = dL o E the per-channel sums are plain products:
+//   dQi = MP K      r = ML K      dKcol = MP^T Q + ML^T diag(beta) K,
+// and a pair's gate term, summed over the channels, is dP_ij P_ij + dL_ij L_ij (P and L already
+// hold E and the dot products). It goes to dg_t for every t the pair straddles (j < t <= i), as a
+// sum of those terms only; channel 0 of dgp carries it (the channels' sum is what reaches g).
+// Reads dP (the gradient of P, before the scale) and dL; writes dQi, r, dKcol, dgp for rows [0, n).
+void scalar_gate_pair_terms(const ChunkWork& w, BackwardWork& bw, int64_t n, float scale) {
+  const int64_t Kp = w.Kp;
+  float* dP = bw.dP.data();
+  float* dL = bw.dL.data();
+  const float* P = w.P.data();
+  const float* Lm = w.L.data();
+  float* dgp = bw.dgp.data();
+  std::fill(dgp, dgp + n * Kp, 0.0f);
+  for (int64_t i = 1; i < n; ++i) {
+    double run = 0.0;  // sum_{j < t} of row i's pair terms, for t = 1 .. i
+    for (int64_t t = 1; t <= i; ++t) {
+      const int64_t j = t - 1;
+      run += static_cast<double>(dP[i * C + j]) * P[i * C + j] +
+             static_cast<double>(dL[i * C + j]) * Lm[i * C + j];
+      dgp[t * Kp] += static_cast<float>(run);
+    }
+  }
+  // MP and ML in place of dP and dL.
+  for (int64_t i = 0; i < n; ++i) {
+    float E = 1.0f;
+    dP[i * C + i] *= scale;
+    for (int64_t j = i - 1; j >= 0; --j) {
+      E *= w.eg[static_cast<size_t>((j + 1) * Kp)];
+      dP[i * C + j] *= scale * E;
+      dL[i * C + j] *= E;
+    }
+  }
+  float* kb = bw.kb.data();
+  for (int64_t i = 0; i < n; ++i)
+    scale_row(w.beta[static_cast<size_t>(i)], w.k.data() + i * Kp, kb + i * Kp, Kp);
+  gemm(n, Kp, n, dP, C, 1, w.k.data(), Kp, bw.dQi.data(), Kp, Accumulate::overwrite);
+  gemm(n, Kp, n, dL, C, 1, w.k.data(), Kp, bw.r.data(), Kp, Accumulate::overwrite);
+  gemm(n, Kp, n, dP, 1, C, w.q.data(), Kp, bw.dKcol.data(), Kp, Accumulate::overwrite);
+  gemm(n, Kp, n, dL, 1, C, kb, Kp, bw.dKcol.data(), Kp, Accumulate::add);
+}
+
 // Backward of one chunk [t0, t0 + n) of value head hv. S: state entering it; dS: gradient of the state
 // leaving it, replaced by the gradient of the state entering it. Accumulates dq, dk into the group
 // sums and writes dv, dg, dbeta of this value head.
@@ -258,108 +302,112 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   // Intra-chunk terms. dPt = scale dP is the gradient of sum_d q k E; dL that of L.
   // dQi_i = sum_{j<=i} dPt_ij k_j E_ij;  r_i = sum_{j<i} dL_ij k_j E_ij;
   // dKcol_j = sum_{i>=j} dPt_ij q_i E_ij + sum_{i>j} dL_ij beta_i k_i E_ij.
-  for (int64_t i = 0; i < n * C; ++i) dP[i] *= scale;
   float* dQi = bw.dQi.data();
   float* r = bw.r.data();
   float* dKcol = bw.dKcol.data();
   float* dgp = bw.dgp.data();
-  float* ccol = bw.ccol.data();
-  float* Z = bw.Z.data();
-  // dQi, r and dKcol rows are first written by the diagonal pass of their own block; dgp and ccol
-  // only accumulate.
-  for (float* b : {dgp, ccol}) std::fill(b, b + n * Kp, 0.0f);
-  std::fill(Z, Z + C / kSub * Kp, 0.0f);
-  float* crow = bw.crow.data();
-  for (int64_t s = 0; s < n; s += kSub) {
-    const int64_t e = std::min(s + kSub, n);
-    // Diagonal block, per element: E_ij = prod_{t=j+1..i} exp(g_t). One vector of channels at a time
-    // with j innermost, so E, dQi_i and r_i stay in registers.
-    for (int64_t i = s; i < e; ++i) {
-      const float* qi = w.q.data() + i * Kp;
-      const float* ki = w.k.data() + i * Kp;
-      const VF bi = hn::Set(d, w.beta[i]);
-      const VF p_ii = hn::Set(d, dP[i * C + i]);
-      for (int64_t c = 0; c < Kp; c += L) {
-        const VF qc = hn::LoadU(d, qi + c), kc = hn::LoadU(d, ki + c);
-        VF dq_acc = hn::Mul(p_ii, kc);  // j = i: E = 1, P term only
-        VF r_acc = hn::Zero(d);
-        hn::StoreU(hn::Mul(p_ii, qc), d, dKcol + i * Kp + c);  // row i's first term
-        VF ec = hn::Set(d, 1.0f);
-        for (int64_t j = i - 1; j >= s; --j) {
-          ec = hn::Mul(ec, hn::LoadU(d, w.eg.data() + (j + 1) * Kp + c));
-          const VF p = hn::Set(d, dP[i * C + j]);
-          const VF l = hn::Set(d, dL[i * C + j]);
-          const VF kje = hn::Mul(hn::LoadU(d, w.k.data() + j * Kp + c), ec);
-          dq_acc = hn::MulAdd(p, kje, dq_acc);
-          r_acc = hn::MulAdd(l, kje, r_acc);
-          const VF col = hn::MulAdd(p, qc, hn::Mul(hn::Mul(l, bi), kc));
-          float* dkc = dKcol + j * Kp + c;
-          hn::StoreU(hn::MulAdd(col, ec, hn::LoadU(d, dkc)), d, dkc);
-          hn::StoreU(hn::Mul(col, kje), d, crow + (j - s) * Kp + c);  // the pair's own term c_ij
+  if (plan.per_head_gate()) {
+    scalar_gate_pair_terms(w, bw, n, scale);
+  } else {
+    for (int64_t i = 0; i < n * C; ++i) dP[i] *= scale;
+    float* ccol = bw.ccol.data();
+    float* Z = bw.Z.data();
+    // dQi, r and dKcol rows are first written by the diagonal pass of their own block; dgp and ccol
+    // only accumulate.
+    for (float* b : {dgp, ccol}) std::fill(b, b + n * Kp, 0.0f);
+    std::fill(Z, Z + C / kSub * Kp, 0.0f);
+    float* crow = bw.crow.data();
+    for (int64_t s = 0; s < n; s += kSub) {
+      const int64_t e = std::min(s + kSub, n);
+      // Diagonal block, per element: E_ij = prod_{t=j+1..i} exp(g_t). One vector of channels at a time
+      // with j innermost, so E, dQi_i and r_i stay in registers.
+      for (int64_t i = s; i < e; ++i) {
+        const float* qi = w.q.data() + i * Kp;
+        const float* ki = w.k.data() + i * Kp;
+        const VF bi = hn::Set(d, w.beta[i]);
+        const VF p_ii = hn::Set(d, dP[i * C + i]);
+        for (int64_t c = 0; c < Kp; c += L) {
+          const VF qc = hn::LoadU(d, qi + c), kc = hn::LoadU(d, ki + c);
+          VF dq_acc = hn::Mul(p_ii, kc);  // j = i: E = 1, P term only
+          VF r_acc = hn::Zero(d);
+          hn::StoreU(hn::Mul(p_ii, qc), d, dKcol + i * Kp + c);  // row i's first term
+          VF ec = hn::Set(d, 1.0f);
+          for (int64_t j = i - 1; j >= s; --j) {
+            ec = hn::Mul(ec, hn::LoadU(d, w.eg.data() + (j + 1) * Kp + c));
+            const VF p = hn::Set(d, dP[i * C + j]);
+            const VF l = hn::Set(d, dL[i * C + j]);
+            const VF kje = hn::Mul(hn::LoadU(d, w.k.data() + j * Kp + c), ec);
+            dq_acc = hn::MulAdd(p, kje, dq_acc);
+            r_acc = hn::MulAdd(l, kje, r_acc);
+            const VF col = hn::MulAdd(p, qc, hn::Mul(hn::Mul(l, bi), kc));
+            float* dkc = dKcol + j * Kp + c;
+            hn::StoreU(hn::MulAdd(col, ec, hn::LoadU(d, dkc)), d, dkc);
+            hn::StoreU(hn::Mul(col, kje), d, crow + (j - s) * Kp + c);  // the pair's own term c_ij
+          }
+          hn::StoreU(dq_acc, d, dQi + i * Kp + c);
+          hn::StoreU(r_acc, d, r + i * Kp + c);
         }
-        hn::StoreU(dq_acc, d, dQi + i * Kp + c);
-        hn::StoreU(r_acc, d, r + i * Kp + c);
+        // Pairs (i, j < t) straddle every t in (j, i]: dgp_t += sum_{s <= j < t} c_ij.
+        for (int64_t c = 0; c < Kp; c += L) {
+          VF run = hn::Zero(d);
+          for (int64_t t = s + 1; t <= i; ++t) {
+            run = hn::Add(run, hn::LoadU(d, crow + (t - 1 - s) * Kp + c));
+            hn::StoreU(hn::Add(hn::LoadU(d, dgp + t * Kp + c), run), d, dgp + t * Kp + c);
+          }
+        }
       }
-      // Pairs (i, j < t) straddle every t in (j, i]: dgp_t += sum_{s <= j < t} c_ij.
+      if (s == 0) continue;
+      // Off-diagonal blocks, anchored at row s: E_ij = fq_i fk_j.
+      anchored_factors(w, s, e);
+      float* kb = bw.kb.data();
+      for (int64_t j = 0; j < s; ++j)
+        mul_rows(w.k.data() + j * Kp, w.fk.data() + j * Kp, 1.0f, kb + j * Kp, Kp);
+      float* qa = bw.qa.data();
+      float* ka = bw.ka.data();
+      for (int64_t i = s; i < e; ++i) {
+        const float* f = w.fq.data() + (i - s) * Kp;
+        mul_rows(w.q.data() + i * Kp, f, 1.0f, qa + (i - s) * Kp, Kp);
+        mul_rows(w.k.data() + i * Kp, f, w.beta[i], ka + (i - s) * Kp, Kp);
+      }
+      // Row side: cumP_i = dPt[i, :s] kb and cumL_i = dL[i, :s] kb, one 16-column block at a time,
+      // so that Z[a] (pairs with i in this block and j before block a) is formed from partial sums.
+      float* cumP = bw.cumP.data();
+      float* cumL = bw.cumL.data();
+      std::fill(cumP, cumP + kSub * Kp, 0.0f);
+      std::fill(cumL, cumL + kSub * Kp, 0.0f);
+      for (int64_t js = 0; js < s; js += kSub) {
+        gemm(e - s, Kp, kSub, dP + s * C + js, C, 1, kb + js * Kp, Kp, cumP, Kp, Accumulate::add);
+        gemm(e - s, Kp, kSub, dL + s * C + js, C, 1, kb + js * Kp, Kp, cumL, Kp, Accumulate::add);
+        if (js + kSub < s) pair_row_sums(w, s, e, cumP, cumL, Z + (js + kSub) / kSub * Kp, nullptr);
+      }
+      for (int64_t i = s; i < e; ++i) {
+        add_product(cumP + (i - s) * Kp, w.fq.data() + (i - s) * Kp, dQi + i * Kp, Kp);
+        add_product(cumL + (i - s) * Kp, w.fq.data() + (i - s) * Kp, r + i * Kp, Kp);
+      }
+      // Pairs (i in this block, j < s) straddle every t in [s, i]: dgp_t += sum_{i >= t} of their row sums.
+      pair_row_sums(w, s, e, cumP, cumL, nullptr, dgp + s * Kp);
+      // Column side: fk_j * (dPt[s:e, j]^T qa + dL[s:e, j]^T ka).
+      gemm(s, Kp, e - s, dP + s * C, 1, C, qa, Kp, tmp, Kp, Accumulate::overwrite);
+      gemm(s, Kp, e - s, dL + s * C, 1, C, ka, Kp, tmp, Kp, Accumulate::add);
+      for (int64_t j = 0; j < s; ++j) {
+        float* t_j = tmp + j * Kp;
+        mul_rows(t_j, w.fk.data() + j * Kp, 1.0f, t_j, Kp);
+        add_product(t_j, w.k.data() + j * Kp, ccol + j * Kp, Kp);
+        for (int64_t c = 0; c < Kp; c += L)
+          hn::StoreU(hn::Add(hn::LoadU(d, dKcol + j * Kp + c), hn::LoadU(d, t_j + c)), d, dKcol + j * Kp + c);
+      }
+    }
+    // Pairs (i after block a, j < t) for t in block a: those with j before block a (Z[a]) and those
+    // with j in block a before t (their column sums ccol_j).
+    for (int64_t s = 0; s < n; s += kSub) {
+      const int64_t e = std::min(s + kSub, n);
+      const float* Za = Z + s / kSub * Kp;
       for (int64_t c = 0; c < Kp; c += L) {
-        VF run = hn::Zero(d);
-        for (int64_t t = s + 1; t <= i; ++t) {
-          run = hn::Add(run, hn::LoadU(d, crow + (t - 1 - s) * Kp + c));
+        VF run = hn::LoadU(d, Za + c);
+        for (int64_t t = s; t < e; ++t) {
+          if (t > s) run = hn::Add(run, hn::LoadU(d, ccol + (t - 1) * Kp + c));
           hn::StoreU(hn::Add(hn::LoadU(d, dgp + t * Kp + c), run), d, dgp + t * Kp + c);
         }
-      }
-    }
-    if (s == 0) continue;
-    // Off-diagonal blocks, anchored at row s: E_ij = fq_i fk_j.
-    anchored_factors(w, s, e);
-    float* kb = bw.kb.data();
-    for (int64_t j = 0; j < s; ++j)
-      mul_rows(w.k.data() + j * Kp, w.fk.data() + j * Kp, 1.0f, kb + j * Kp, Kp);
-    float* qa = bw.qa.data();
-    float* ka = bw.ka.data();
-    for (int64_t i = s; i < e; ++i) {
-      const float* f = w.fq.data() + (i - s) * Kp;
-      mul_rows(w.q.data() + i * Kp, f, 1.0f, qa + (i - s) * Kp, Kp);
-      mul_rows(w.k.data() + i * Kp, f, w.beta[i], ka + (i - s) * Kp, Kp);
-    }
-    // Row side: cumP_i = dPt[i, :s] kb and cumL_i = dL[i, :s] kb, one 16-column block at a time,
-    // so that Z[a] (pairs with i in this block and j before block a) is formed from partial sums.
-    float* cumP = bw.cumP.data();
-    float* cumL = bw.cumL.data();
-    std::fill(cumP, cumP + kSub * Kp, 0.0f);
-    std::fill(cumL, cumL + kSub * Kp, 0.0f);
-    for (int64_t js = 0; js < s; js += kSub) {
-      gemm(e - s, Kp, kSub, dP + s * C + js, C, 1, kb + js * Kp, Kp, cumP, Kp, Accumulate::add);
-      gemm(e - s, Kp, kSub, dL + s * C + js, C, 1, kb + js * Kp, Kp, cumL, Kp, Accumulate::add);
-      if (js + kSub < s) pair_row_sums(w, s, e, cumP, cumL, Z + (js + kSub) / kSub * Kp, nullptr);
-    }
-    for (int64_t i = s; i < e; ++i) {
-      add_product(cumP + (i - s) * Kp, w.fq.data() + (i - s) * Kp, dQi + i * Kp, Kp);
-      add_product(cumL + (i - s) * Kp, w.fq.data() + (i - s) * Kp, r + i * Kp, Kp);
-    }
-    // Pairs (i in this block, j < s) straddle every t in [s, i]: dgp_t += sum_{i >= t} of their row sums.
-    pair_row_sums(w, s, e, cumP, cumL, nullptr, dgp + s * Kp);
-    // Column side: fk_j * (dPt[s:e, j]^T qa + dL[s:e, j]^T ka).
-    gemm(s, Kp, e - s, dP + s * C, 1, C, qa, Kp, tmp, Kp, Accumulate::overwrite);
-    gemm(s, Kp, e - s, dL + s * C, 1, C, ka, Kp, tmp, Kp, Accumulate::add);
-    for (int64_t j = 0; j < s; ++j) {
-      float* t_j = tmp + j * Kp;
-      mul_rows(t_j, w.fk.data() + j * Kp, 1.0f, t_j, Kp);
-      add_product(t_j, w.k.data() + j * Kp, ccol + j * Kp, Kp);
-      for (int64_t c = 0; c < Kp; c += L)
-        hn::StoreU(hn::Add(hn::LoadU(d, dKcol + j * Kp + c), hn::LoadU(d, t_j + c)), d, dKcol + j * Kp + c);
-    }
-  }
-  // Pairs (i after block a, j < t) for t in block a: those with j before block a (Z[a]) and those
-  // with j in block a before t (their column sums ccol_j).
-  for (int64_t s = 0; s < n; s += kSub) {
-    const int64_t e = std::min(s + kSub, n);
-    const float* Za = Z + s / kSub * Kp;
-    for (int64_t c = 0; c < Kp; c += L) {
-      VF run = hn::LoadU(d, Za + c);
-      for (int64_t t = s; t < e; ++t) {
-        if (t > s) run = hn::Add(run, hn::LoadU(d, ccol + (t - 1) * Kp + c));
-        hn::StoreU(hn::Add(hn::LoadU(d, dgp + t * Kp + c), run), d, dgp + t * Kp + c);
       }
     }
   }
