@@ -3,11 +3,13 @@
 The torch layer, drop-in for flash-linear-attention's functions of the same names::
 
     from kda import chunk_kda, fused_recurrent_kda, fused_kda_gate
+    from kda import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule   # Gated DeltaNet
 
 ``kda.engine`` is the engine itself over DLPack / buffer-protocol arrays (NumPy, torch) with
 caller-allocated outputs; it needs no torch. The torch layer (``kda.functional``, ``kda.layers`` for
 the Hugging Face ``kernels`` hub, ``kda.hub`` to build that hub folder) and the serving entries
-(``kda.serving``: ``fused_recurrent_kda_fwd``, state pools updated in place) are imported on first use.
+(``kda.serving``: ``fused_recurrent_kda_fwd``, ``fused_recurrent_gdn_fwd``, state pools updated in
+place) are imported on first use.
 """
 
 import importlib
@@ -35,8 +37,13 @@ _TORCH_FUNCTIONS = {
     "fused_recurrent_kda": "functional",
     "fused_kda_gate": "functional",
     "fused_recurrent_kda_fwd": "serving",
+    "chunk_gated_delta_rule": "gated_delta_rule",
+    "fused_recurrent_gated_delta_rule": "gated_delta_rule",
+    "chunk_gdn": "gated_delta_rule",
+    "fused_recurrent_gdn": "gated_delta_rule",
+    "fused_recurrent_gdn_fwd": "serving",
 }
-_TORCH_MODULES = {"functional", "serving", "layers", "hub", "ops"}
+_TORCH_MODULES = {"functional", "gated_delta_rule", "serving", "layers", "hub", "ops"}
 
 __all__ = ["engine", "simd_target", "simd_targets", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
 

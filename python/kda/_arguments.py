@@ -44,12 +44,16 @@ def check_cpu(names, tensors):
             )
 
 
-def check_shapes(q, k, v, g, beta):
-    """fla's shape checks (the same exception types), plus what the engine supports."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or g.dim() != 4:
-        for name, t in zip(NAMES[:4], (q, k, v, g), strict=True):
-            if t.dim() != 4:
-                raise ValueError(f"kda: '{name}' must be a 4-D tensor, got shape {list(t.shape)}")
+def check_shapes(q, k, v, g, beta, per_head=False):
+    """fla's shape checks (the same exception types), plus what the engine supports. ``per_head``: the
+    gated delta rule's gate g [B, T, HV] (fla's GDN functions raise ValueError where its KDA ones
+    assert); else KDA's g [B, T, HV, K]."""
+    gate_rank = 3 if per_head else 4
+    for name, t, rank in zip(NAMES[:4], (q, k, v, g), (4, 4, 4, gate_rank), strict=True):
+        if t.dim() != rank:
+            if name == "g":
+                raise ValueError(_gate_rank_message(per_head, g))
+            raise ValueError(f"kda: '{name}' must be a 4-D tensor, got shape {list(t.shape)}")
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
     if beta.dim() == 4:
@@ -58,23 +62,51 @@ def check_shapes(q, k, v, g, beta):
         )
     if H < 1 or HV < 1:
         raise ValueError(f"kda: q and v need at least one head, got H={H}, HV={HV}")
+    # fla's GDN functions check these with ValueError, its KDA functions with assertions.
+    shape_error = ValueError if per_head else AssertionError
     if q.shape != k.shape:
-        raise AssertionError(f"q and k must have the same shape, got q={q.shape} vs k={k.shape}")
+        raise shape_error(f"q and k must have the same shape, got q={q.shape} vs k={k.shape}")
     if K > _engine.MAX_HEAD_DIM:
+        if per_head:
+            raise NotImplementedError(f"kda supports key head dims up to {_engine.MAX_HEAD_DIM}, got K={K}")
         raise AssertionError(f"Currently we only support key headdim <=256 for KDA, got {K}.")
     if V > _engine.MAX_HEAD_DIM:
         raise NotImplementedError(f"kda supports value head dims up to {_engine.MAX_HEAD_DIM}, got V={V}")
     if v.shape[0] != B or v.shape[1] != T:
         raise ValueError(f"kda: v must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
     if HV % H != 0:
-        raise AssertionError(
+        raise shape_error(
             f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_qk_heads (H={H}), "
             f"but got HV % H = {HV % H}"
         )
-    if g.shape != (B, T, HV, K):
-        raise AssertionError(f"g must have shape [B, T, HV, K]={[B, T, HV, K]}, got {list(g.shape)}")
+    gate_shape = (B, T, HV) if per_head else (B, T, HV, K)
+    if g.shape != gate_shape:
+        raise shape_error(
+            f"g must have shape {'[B, T, HV]' if per_head else '[B, T, HV, K]'}={list(gate_shape)}, "
+            f"got {list(g.shape)}"
+        )
     if beta.shape != (B, T, HV):
-        raise AssertionError(f"beta must have shape [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}")
+        raise shape_error(f"beta must have shape [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}")
+
+
+def _gate_rank_message(per_head, g):
+    if per_head:
+        return (
+            f"kda: 'g' of the gated delta rule must be [B, T, HV] (one log decay per head and token), got "
+            f"shape {list(g.shape)}; a decay per key channel is KDA's (gk of "
+            "fused_recurrent_gated_delta_rule, or chunk_kda)"
+        )
+    return (
+        f"kda: 'g' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
+        f"{list(g.shape)}; a decay per head [B, T, HV] is the gated delta rule's (chunk_gated_delta_rule)"
+    )
+
+
+def check_gate_width(g, per_head):
+    """The cheap check every call makes before the engine, which would read a g of either rank as the
+    gate width it has: KDA's functions take g [B, T, HV, K], the gated delta rule's g [B, T, HV]."""
+    if (g.dim() == 3) is not per_head:
+        raise ValueError(_gate_rank_message(per_head, g))
 
 
 def check_varlen(q, initial_state, cu_seqlens):
@@ -98,12 +130,17 @@ def check_varlen(q, initial_state, cu_seqlens):
         )
 
 
-def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, per_head=False):
     """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
     messages and exception types."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, initial_state, cu_seqlens)
-    check_shapes(q, k, v, g, beta)
+    check_shapes(q, k, v, g, beta, per_head)
+
+
+def check_gdn_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+    """check_tensors for the gated delta rule's functions (g [B, T, HV])."""
+    check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, per_head=True)
 
 
 def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function):

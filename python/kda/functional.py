@@ -24,6 +24,7 @@ from . import _ops
 from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
+    check_gate_width,
     check_tensors,
     fla_errors,
     gate_mode,
@@ -55,11 +56,27 @@ def _problem(cu_seqlens, scale, state_v_first, qk_l2norm, gate, lower_bound, bet
 
 
 def _run(
-    path, q, k, v, g, beta, problem, *, A_log, dt_bias, initial_state, output_final_state, want_chunk_states
+    path,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    problem,
+    *,
+    A_log,
+    dt_bias,
+    initial_state,
+    output_final_state,
+    want_chunk_states,
+    per_head=False,
 ):
     """One engine call through the custom ops (``problem``: the problem options by name, see
     ``_ops.problem_options``): returns (o, final_state, chunk_states) in the engine's dtypes (o in v's
-    compute dtype); final_state / chunk_states are None when not asked for."""
+    compute dtype); final_state / chunk_states are None when not asked for. ``per_head``: the gated
+    delta rule's gate g [B, T, HV] (the engine reads the width from g's rank; this says which the
+    caller's function takes)."""
+    check_gate_width(g, per_head)
     options = _ops.problem_options(q, **problem)
     (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
     if state_dtype == torch.float64:

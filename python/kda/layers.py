@@ -1,5 +1,8 @@
 """Layers for the Hugging Face ``kernels`` hub: transformers' Kimi Linear calls these in place of its
-torch fallbacks ``chunk_kimi_delta_attention`` and ``recurrent_kimi_delta_attention``.
+torch fallbacks ``chunk_kimi_delta_attention`` and ``recurrent_kimi_delta_attention``; its gated delta
+rule models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid) in place of ``torch_chunk_gated_delta_rule``
+and ``torch_recurrent_gated_delta_rule`` (mapped as ``chunk_gated_delta_rule`` and
+``fused_recurrent_gated_delta_rule``).
 
 ``kernels`` requires a layer without ``__init__``, with no members besides ``has_backward`` and
 ``can_torch_compile``, whose ``forward`` has the arguments of the function it replaces. Register them
@@ -8,6 +11,7 @@ with ``kernels.register_kernel_mapping`` (see the README) and call ``model.set_u
 
 import torch.nn as nn
 
+from . import gated_delta_rule as _gdn
 from .functional import chunk_kda, fused_recurrent_kda
 
 
@@ -78,13 +82,89 @@ class RecurrentKimiDeltaAttention(nn.Module):
         return o.to(query.dtype), state  # the fallback returns the query's dtype
 
 
-# The layer names a kernel mapping refers to (those of the functions they replace).
+class ChunkGatedDeltaRule(nn.Module):
+    """The gated delta rule's prefill, training and multi-token steps: kda's chunked op with the
+    per-head gate (forward and backward). The models pass q and k already expanded to the value heads,
+    g as the log decay [B, T, HV] and beta after its sigmoid."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        # Like the fallback, the output comes back in the query's dtype and the state in float32;
+        # of the other keyword arguments only packed sequences (cu_seqlens) are honoured.
+        return _gdn.chunk_gated_delta_rule(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=kwargs.get("cu_seqlens"),
+            chunk_size=chunk_size,
+        )
+
+
+class RecurrentGatedDeltaRule(nn.Module):
+    """The gated delta rule's one-token decode steps with a cached state: kda's recurrent op."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        o, state = _gdn.fused_recurrent_gated_delta_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=kwargs.get("cu_seqlens"),
+        )
+        return o.to(query.dtype), state  # the fallback returns the query's dtype
+
+
+# The layer names a kernel mapping refers to (those of the functions they replace; the gated delta
+# rule's are the names the kernels-community hub gives them).
 chunk_kimi_delta_attention = ChunkKimiDeltaAttention
 recurrent_kimi_delta_attention = RecurrentKimiDeltaAttention
+chunk_gated_delta_rule = ChunkGatedDeltaRule
+recurrent_gated_delta_rule = RecurrentGatedDeltaRule
 
 __all__ = [
+    "ChunkGatedDeltaRule",
     "ChunkKimiDeltaAttention",
+    "RecurrentGatedDeltaRule",
     "RecurrentKimiDeltaAttention",
+    "chunk_gated_delta_rule",
     "chunk_kimi_delta_attention",
+    "recurrent_gated_delta_rule",
     "recurrent_kimi_delta_attention",
 ]

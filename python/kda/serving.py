@@ -16,6 +16,7 @@ from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
     check_cpu,
+    check_gate_width,
     check_shapes,
     check_varlen,
     gate_mode,
@@ -25,7 +26,7 @@ from ._arguments import (
     state_v_first_of,
 )
 
-__all__ = ["fused_recurrent_kda_fwd", "pooled_prefill"]
+__all__ = ["fused_recurrent_gdn_fwd", "fused_recurrent_kda_fwd", "pooled_prefill"]
 
 
 def _serving_plain(function, tensors):
@@ -41,13 +42,24 @@ def _serving_plain(function, tensors):
 
 
 def _serving_checks(
-    function, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, indices=(None, None)
+    function,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    cu_seqlens,
+    indices=(None, None),
+    per_head=False,
 ):
     """fla-style checks of a serving call (run as _arguments.fla_errors runs them: after the engine
-    refused the call)."""
+    refused the call). ``per_head``: the gated delta rule's gate g [B, T, HV]."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, None, cu_seqlens)
-    check_shapes(q, k, v, g, beta)
+    check_shapes(q, k, v, g, beta, per_head)
     for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
         _index_tensor(name, t)
     acts = (q, k, v, g, beta)
@@ -76,20 +88,34 @@ def _index_tensor(name, t):
 
 
 def pooled_prefill(
-    q, k, v, g, beta, pool, indices, has_initial_state, problem, *, A_log, dt_bias, path="chunk"
+    q,
+    k,
+    v,
+    g,
+    beta,
+    pool,
+    indices,
+    has_initial_state,
+    problem,
+    *,
+    A_log,
+    dt_bias,
+    path="chunk",
+    per_head=False,
 ):
-    """chunk_kda on a state pool, once its options are resolved (``problem``: the problem options by
-    name, see ``_ops.problem_options``): sequence n starts from slot ``indices[n]`` (zeros where
-    ``has_initial_state[n]`` is False or the index is negative) and its final state is written back
-    there. Returns (o, pool)."""
+    """chunk_kda (or, with ``per_head``, chunk_gated_delta_rule) on a state pool, once its options are
+    resolved (``problem``: the problem options by name, see ``_ops.problem_options``): sequence n
+    starts from slot ``indices[n]`` (zeros where ``has_initial_state[n]`` is False or the index is
+    negative) and its final state is written back there. Returns (o, pool)."""
+    function = "chunk_gated_delta_rule (pooled)" if per_head else "chunk_kda (pooled)"
     if pool is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
     if indices is None:
         raise ValueError("kda: has_initial_state needs ssm_state_indices (the pool slot of every sequence)")
     out_dtype = q.dtype
     cu_seqlens = problem.get("cu_seqlens")
-    _serving_plain("chunk_kda (pooled)", (q, k, v, g, beta, A_log, dt_bias, pool))
-    _serving_checks("chunk_kda (pooled)", q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens)
+    _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, pool))
+    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, per_head=per_head)
     options = _ops.problem_options(q, **problem)
     q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
     if options.gate == "lower_bound" and A_log is None:
@@ -172,8 +198,120 @@ def fused_recurrent_kda_fwd(
     final_state)``: the pool (or the updated ``initial_state``) in place, else the new states or None.
     """
     reject_unknown("fused_recurrent_kda_fwd", kwargs, RECURRENT_KWARGS)
-    state_v_first = state_v_first_of(state_v_first, kwargs)
-    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda_fwd")
+    return _serve(
+        "fused_recurrent_kda_fwd",
+        False,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        initial_state,
+        scale,
+        output_final_state,
+        inplace_final_state,
+        state_v_first_of(state_v_first, kwargs),
+        cu_seqlens,
+        ssm_state_indices,
+        num_accepted_tokens,
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+        lower_bound,
+        out,
+    )
+
+
+def fused_recurrent_gdn_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    initial_state=None,
+    scale=None,
+    output_final_state=False,
+    inplace_final_state=True,
+    state_v_first=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    out=None,
+    **kwargs,
+):
+    r"""Batched decode of the gated delta rule (GDN) on a state pool, on kda's decode kernel (inference
+    only): :func:`fused_recurrent_kda_fwd` with the per-head gate.
+
+    The arguments, pool layouts, slot semantics (``ssm_state_indices`` ``[N]`` or ``[N, C]`` with
+    ``num_accepted_tokens``, negative indices as padding rows), ``inplace_final_state``, ``out`` and
+    returns are those of :func:`fused_recurrent_kda_fwd`; the differences are the gate's: ``g [B, T,
+    HV]`` is the log decay, or with ``use_gate_in_kernel`` the raw input of ``-exp(A_log) * softplus(g +
+    dt_bias)`` with ``A_log [HV]`` and ``dt_bias [HV]``; there is no ``lower_bound`` gate.
+    """
+    reject_unknown("fused_recurrent_gdn_fwd", kwargs, RECURRENT_KWARGS)
+    return _serve(
+        "fused_recurrent_gdn_fwd",
+        True,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        initial_state,
+        scale,
+        output_final_state,
+        inplace_final_state,
+        state_v_first_of(state_v_first, kwargs),
+        cu_seqlens,
+        ssm_state_indices,
+        num_accepted_tokens,
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+        None,
+        out,
+    )
+
+
+def _serve(
+    function,
+    per_head,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    scale,
+    output_final_state,
+    inplace_final_state,
+    state_v_first,
+    cu_seqlens,
+    ssm_state_indices,
+    num_accepted_tokens,
+    use_qk_l2norm_in_kernel,
+    use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    lower_bound,
+    out,
+):
+    """The serving decode of both gate widths (``per_head``: the gated delta rule's g [B, T, HV])."""
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function)
     if gate == "log_decay":
         A_log = dt_bias = None
     beta_mode = beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -181,9 +319,7 @@ def fused_recurrent_kda_fwd(
         raise ValueError("kda: num_accepted_tokens needs ssm_state_indices (speculative decoding on a pool)")
     if ssm_state_indices is not None and initial_state is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
-    plain = _serving_plain(
-        "fused_recurrent_kda_fwd", (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out)
-    )
+    plain = _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out))
 
     # What fla's checks read (a tuple, not a closure: cells would cost a decode step 0.3 us).
     checked = (
@@ -197,14 +333,16 @@ def fused_recurrent_kda_fwd(
         initial_state,
         cu_seqlens,
         (ssm_state_indices, num_accepted_tokens),
+        per_head,
     )
 
     # The engine validates every argument before it writes anything; fla's checks run only when it
     # refused the call (they would cost as much as the rest of a decode step's Python layer), or first
     # when torch.compile traces (_arguments.fla_errors, spelled out: this is the decode step).
     if torch.compiler.is_compiling():
-        _serving_checks("fused_recurrent_kda_fwd", *checked)
+        _serving_checks(function, *checked)
     try:
+        check_gate_width(g, per_head)  # the engine would take a g of either rank
         return _decode(
             plain,
             q,
@@ -234,7 +372,7 @@ def fused_recurrent_kda_fwd(
         )
     except Exception as engine_error:  # re-raised below when the checks pass
         error = engine_error
-    _serving_checks("fused_recurrent_kda_fwd", *checked)
+    _serving_checks(function, *checked)
     raise error
 
 

@@ -1,0 +1,524 @@
+"""The gated delta rule (GDN: one log decay per token and value head, g [B, T, HV]) through
+kda.chunk_gated_delta_rule and kda.fused_recurrent_gated_delta_rule: against kda's float64 oracle (and
+finite differences of it) in every gate regime, against fla-core's naive GDN functions and
+transformers' torch functions with autograd, fla's gate arguments (gk, gv), the ops (opcheck,
+torch.compile) and bad input."""
+
+import inspect
+import warnings
+
+import kda
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import (
+    GRADIENT_OF,
+    KIMI,
+    REGIMES,
+    Case,
+    as_oracle,
+    gate_parameter_magnitudes,
+    gradients,
+    loss_weights,
+    make_inputs,
+    rel_rms,
+    run,
+    sum_error,
+    tolerance,
+)
+from kda import _ops
+
+FUNCTIONS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+GDN = dict(gate_width="per_head")
+
+
+def _grid():
+    cases = []
+    for regime in REGIMES:
+        options = KIMI if regime == "unbounded" else {}
+        for dtype in (torch.float32, torch.bfloat16):
+            # GVA (HV = 2H), T not a multiple of the chunk, K != V
+            cases.append(
+                Case(
+                    B=2,
+                    T=100,
+                    H=2,
+                    HV=4,
+                    K=32,
+                    V=24,
+                    regime=regime,
+                    **options,
+                    **GDN,
+                    dtype=dtype,
+                    seed=len(cases),
+                )
+            )
+    for regime, options in (("spike", {}), ("unbounded", KIMI)):
+        for state_v_first in (False, True):
+            # varlen with an empty sequence and a one-token one, both layouts
+            cases.append(
+                Case(
+                    T=150,
+                    cu_seqlens=[0, 1, 1, 65, 150],
+                    H=1,
+                    HV=2,
+                    K=16,
+                    V=24,
+                    regime=regime,
+                    **options,
+                    **GDN,
+                    state_v_first=state_v_first,
+                    seed=len(cases),
+                )
+            )
+    cases += [
+        Case(T=1, regime="unbounded", **KIMI, **GDN),
+        Case(T=1, B=3, regime="mild", state_v_first=True, **GDN),
+        Case(T=64, regime="strong", beta="sigmoid_x2", **GDN),
+        Case(T=65, K=64, V=64, regime="zero", initial_state=False, **GDN),
+        Case(T=70, K=128, V=128, H=1, HV=1, regime="unbounded", **KIMI, **GDN, dt_bias=False),
+        Case(T=45, K=17, V=9, H=3, HV=6, regime="unbounded", **KIMI, **GDN, dtype=torch.bfloat16),
+        Case(T=80, regime="mild", scale=1.0, **GDN, state_v_first=True),
+    ]
+    return cases
+
+
+GRID = _grid()
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_forward_matches_oracle(function, case):
+    tensors, options = make_inputs(case)
+    assert tensors["g"].shape == (case.B, case.T, case.HV)
+    with torch.no_grad():
+        o, final, _ = run(function, tensors, options)
+        o_ref, final_ref, _ = run(function, *as_oracle(tensors, options))
+    assert o.dtype == (tensors["q"].dtype if function == "chunk_gated_delta_rule" else tensors["v"].dtype)
+    assert final.dtype == torch.float32 and o_ref.dtype == torch.float64
+    assert rel_rms(o, o_ref) <= tolerance("forward", o.dtype, "o")
+    assert rel_rms(final, final_ref) <= tolerance("forward", final.dtype, "state")
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("case", GRID[::2], ids=str)
+def test_backward_matches_oracle(function, case):
+    tensors, options = make_inputs(case)
+    o, final, grads = gradients(function, tensors, options)
+    o_ref, final_ref, grads_ref = gradients(function, *as_oracle(tensors, options), round_to=o.dtype)
+    for name in ("q", "k", "v", "g", "beta"):
+        assert grads[name].dtype == tensors[name].dtype and grads[name].shape == tensors[name].shape
+        assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
+            "backward", grads[name].dtype, GRADIENT_OF[name]
+        ), name
+    if case.initial_state:
+        assert rel_rms(grads["initial_state"], grads_ref["initial_state"]) <= tolerance(
+            "backward", torch.float32, "dh0"
+        )
+    if "A_log" in options:
+        mag_A, mag_bias = gate_parameter_magnitudes(grads_ref["g"], tensors, options)
+        assert grads["A_log"].shape == (case.HV,)
+        assert sum_error(grads["A_log"], grads_ref["A_log"], mag_A) <= tolerance(
+            "backward", torch.float32, "dA_log"
+        )
+        if case.dt_bias:
+            assert grads["dt_bias"].shape == (case.HV,)
+            assert sum_error(grads["dt_bias"], grads_ref["dt_bias"], mag_bias) <= tolerance(
+                "backward", torch.float32, "ddt_bias"
+            )
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_decays_of_minus_1e4_and_huge_gates_stay_exact(function):
+    """-1e4 log decays on single tokens (the state is wiped there) and the unbounded softplus gate with
+    exp(A_log) up to ~150 on a wide raw gate."""
+    tensors, options = make_inputs(Case(B=2, T=130, H=2, HV=2, K=32, V=32, regime="mild", **GDN, seed=11))
+    g = tensors["g"].clone()
+    g[0, 7, 1] = g[1, 64, 0] = g[1, 100, 1] = -1e4
+    for t, opts in (
+        (dict(tensors, g=g), options),
+        make_inputs(Case(T=130, regime="unbounded", **KIMI, **GDN)),
+    ):
+        o, final, grads = gradients(function, t, opts)
+        o_ref, final_ref, grads_ref = gradients(function, *as_oracle(t, opts))
+        assert rel_rms(o, o_ref) <= tolerance("forward", torch.float32, "o")
+        assert rel_rms(final, final_ref) <= tolerance("forward", torch.float32, "state")
+        for name in ("q", "k", "v", "g", "beta"):
+            assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
+                "backward", torch.float32, GRADIENT_OF[name]
+            )
+
+
+def test_the_scalar_gate_is_kda_with_the_gate_repeated_over_the_key_channels():
+    """GDN on g equals KDA on g broadcast over K, and dg is KDA's dg summed over the key channels."""
+    tensors, options = make_inputs(Case(B=2, T=90, H=1, HV=2, K=16, V=16, regime="unbounded", **KIMI, **GDN))
+    broadcast = dict(options, dt_bias=options["dt_bias"].repeat_interleave(16))
+    for gdn, kda_function in (
+        ("chunk_gated_delta_rule", "chunk_kda"),
+        ("fused_recurrent_gated_delta_rule", "fused_recurrent_kda"),
+    ):
+        o, s, grads = gradients(gdn, tensors, options)
+        wide = dict(tensors, g=tensors["g"].unsqueeze(-1).expand(-1, -1, -1, 16).contiguous())
+        o_k, s_k, grads_k = gradients(kda_function, wide, broadcast)
+        assert rel_rms(o, o_k) <= 2e-6 and rel_rms(s, s_k) <= 2e-6
+        assert rel_rms(grads["g"], grads_k["g"].sum(-1)) <= 1e-5
+        assert rel_rms(grads["dt_bias"], grads_k["dt_bias"].view(2, 16).sum(-1)) <= 1e-5
+        for name in ("q", "k", "v", "beta", "A_log", "initial_state"):
+            assert rel_rms(grads[name], grads_k[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(B=1, T=6, H=1, HV=2, K=4, V=3, regime="unbounded", **KIMI, **GDN),
+        Case(T=7, cu_seqlens=[0, 3, 7], H=1, HV=1, K=3, V=4, regime="spike", **GDN, state_v_first=True),
+    ],
+    ids=str,
+)
+def test_gradcheck_float64(function, case):
+    """The oracle's exact backward against central finite differences of the oracle."""
+    tensors, options = as_oracle(*make_inputs(case))
+    names = list(tensors) + [n for n in ("A_log", "dt_bias", "initial_state") if options.get(n) is not None]
+    values = [(tensors.get(n) if n in tensors else options[n]).clone().requires_grad_() for n in names]
+
+    def f(*xs):
+        given = dict(zip(names, xs, strict=True))
+        args = {n: given[n] for n in tensors}
+        opts = dict(options, **{n: given[n] for n in names if n not in tensors})
+        o, s = getattr(kda, function)(**args, output_final_state=True, **opts)
+        return o, s
+
+    assert torch.autograd.gradcheck(f, values, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ---- fla-core's naive GDN functions, with autograd --------------------------------------------------
+
+fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")
+
+
+def _fla_naive(naive, tensors, options, H, HV, **naive_options):
+    """fla's naive function on the same problem: the fused gate, beta sigmoid and L2 norm applied here,
+    q and k repeated to the value heads (the naive functions have no grouped value heads)."""
+    inputs = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+    side = {
+        n: options[n].detach().clone().requires_grad_()
+        for n in ("A_log", "dt_bias", "initial_state")
+        if options.get(n) is not None
+    }
+    q, k, g, beta = inputs["q"].float(), inputs["k"].float(), inputs["g"].float(), inputs["beta"].float()
+    if options.get("use_gate_in_kernel"):
+        g = -side["A_log"].exp() * F.softplus(g + side.get("dt_bias", 0))
+    if options.get("use_beta_sigmoid_in_kernel"):
+        beta = beta.sigmoid() * (2.0 if options.get("allow_neg_eigval") else 1.0)
+    if options.get("use_qk_l2norm_in_kernel"):
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    o, final = naive(
+        q=q,
+        k=k,
+        v=inputs["v"],
+        g=g,
+        beta=beta,
+        scale=options.get("scale"),
+        initial_state=side.get("initial_state"),
+        output_final_state=True,
+        **naive_options,
+    )
+    return o, final, {**inputs, **side}
+
+
+def _compare_with_fla(function, naive, case, **naive_options):
+    tensors, options = make_inputs(case)
+    o, final, inputs = run(function, tensors, options, requires_grad=True)
+    o_fla, final_fla, inputs_fla = _fla_naive(naive, tensors, options, case.H, case.HV, **naive_options)
+    assert rel_rms(o, o_fla) <= 2e-5 and rel_rms(final, final_fla) <= 2e-5
+    w_o, w_s = loss_weights(o, final, round_to=o.dtype)
+    ((o.double() * w_o).sum() + (final.double() * w_s).sum()).backward()
+    ((o_fla.double() * w_o).sum() + (final_fla.double() * w_s).sum()).backward()
+    for name, t in inputs.items():
+        assert rel_rms(t.grad, inputs_fla[name].grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("regime", REGIMES)
+def test_matches_fla_naive_recurrent_in_every_regime(function, regime):
+    options = dict(KIMI) if regime == "unbounded" else {}
+    case = Case(B=2, T=80, H=1, HV=2, K=16, V=16, regime=regime, **options, **GDN, seed=3)
+    _compare_with_fla(function, fla_gdn.naive_recurrent_gated_delta_rule, case)
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_matches_fla_naive_chunk(function):
+    # fla's naive chunked form exponentiates unmasked cumulative decays: mild gates only.
+    case = Case(B=2, T=100, H=2, HV=2, K=16, V=16, regime="mild", **GDN, seed=5)
+    _compare_with_fla(function, fla_gdn.naive_chunk_gated_delta_rule, case, chunk_size=64)
+
+
+# ---- transformers' torch functions ----------------------------------------------------------------
+
+
+def _torch_function(decorated):
+    """transformers' torch function itself: its hub decorator turns it into a kernels module whose
+    forward calls a wrapper that prefers fla (installed in this process) over the torch code."""
+    if isinstance(decorated, torch.nn.Module):
+        decorated = inspect.getclosurevars(type(decorated).forward).nonlocals["func"]
+    return inspect.unwrap(decorated)
+
+
+def test_layers_match_transformers_torch_functions():
+    qwen = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from kda import layers
+
+    gen = torch.Generator().manual_seed(2)
+    B, T, HV, K, V = 2, 70, 4, 16, 8  # q/k already expanded to the value heads, as the models do
+    base = dict(
+        query=torch.randn(B, T, HV, K, generator=gen),
+        key=torch.randn(B, T, HV, K, generator=gen),
+        value=torch.randn(B, T, HV, V, generator=gen),
+        g=-3 * torch.rand(B, T, HV, generator=gen),
+        beta=torch.rand(B, T, HV, generator=gen),
+        initial_state=torch.randn(B, HV, K, V, generator=gen),
+    )
+    for layer, reference, length in (
+        (layers.chunk_gated_delta_rule(), qwen.torch_chunk_gated_delta_rule, T),
+        (layers.recurrent_gated_delta_rule(), qwen.torch_recurrent_gated_delta_rule, 1),
+    ):
+        ours = {
+            n: (t[:, :length] if t.dim() > 3 or n in ("g", "beta") else t).clone().requires_grad_()
+            for n, t in base.items()
+        }
+        ours["initial_state"] = base["initial_state"].clone().requires_grad_()
+        theirs = {n: t.detach().clone().requires_grad_() for n, t in ours.items()}
+        o, s = layer(**ours, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_ref, s_ref = _torch_function(reference)(
+            **theirs, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        assert o.dtype == o_ref.dtype and s.dtype == s_ref.dtype
+        assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(s, s_ref) <= 1e-5
+        w = torch.randn(o.shape, generator=gen)
+        ((o * w).sum() + s.sum()).backward()
+        ((o_ref * w).sum() + s_ref.sum()).backward()
+        for n in ours:
+            assert rel_rms(ours[n].grad, theirs[n].grad) <= 1e-4, n
+
+
+# ---- fla's other gates and defaults ----------------------------------------------------------------
+
+
+def test_gk_per_key_channel_is_kda():
+    tensors, options = make_inputs(Case(B=2, T=50, H=1, HV=2, K=16, V=16, regime="strong"))
+    t = dict(tensors)
+    gk = t.pop("g")
+    o, s = kda.fused_recurrent_gated_delta_rule(**t, gk=gk, output_final_state=True, **options)
+    o_ref, s_ref = kda.fused_recurrent_kda(**tensors, output_final_state=True, **options)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+
+def test_no_gate_and_no_beta():
+    tensors, options = make_inputs(Case(B=2, T=30, H=1, HV=2, K=8, V=8, regime="zero", **GDN))
+    o, s = kda.fused_recurrent_gated_delta_rule(
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        output_final_state=True,
+        initial_state=options["initial_state"],
+    )
+    ones = torch.ones_like(tensors["beta"])
+    o_ref, s_ref = kda.fused_recurrent_gated_delta_rule(
+        **dict(tensors, beta=ones), output_final_state=True, initial_state=options["initial_state"]
+    )
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)  # regime zero: g = 0
+
+
+def test_gv_and_two_gates_are_refused():
+    tensors, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8, **GDN))
+    gk = torch.zeros(1, 10, 2, 8)
+    with pytest.raises(NotImplementedError, match="'gv'"):
+        kda.fused_recurrent_gated_delta_rule(**tensors, gv=torch.zeros(1, 10, 2, 8))
+    with pytest.raises(ValueError, match="'g'.*'gk'"):
+        kda.fused_recurrent_gated_delta_rule(**tensors, gk=gk)
+    t = dict(tensors)
+    del t["g"]
+    with pytest.raises(ValueError, match="needs g"):  # fla's fused gate applies to g only
+        kda.fused_recurrent_gated_delta_rule(**t, gk=gk, use_gate_in_kernel=True, A_log=torch.zeros(2))
+
+
+def test_short_names_and_chunk_size():
+    assert kda.chunk_gdn is kda.chunk_gated_delta_rule
+    assert kda.fused_recurrent_gdn is kda.fused_recurrent_gated_delta_rule
+    tensors, options = make_inputs(Case(T=40, **GDN))
+    o, s = kda.chunk_gated_delta_rule(**tensors, output_final_state=True, **options)
+    for chunk_size in (16, 32):
+        o2, s2 = kda.chunk_gated_delta_rule(
+            **tensors, output_final_state=True, chunk_size=chunk_size, **options
+        )
+        assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def _all_tensors(tensors, options):
+    return {**tensors, **{n: v for n, v in options.items() if torch.is_tensor(v)}}
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_bad_input_is_named_and_nothing_is_written(function):
+    tensors, options = make_inputs(Case(T=20, H=1, HV=2, K=8, V=8, regime="unbounded", **KIMI, **GDN))
+    before = {n: t.clone() for n, t in _all_tensors(tensors, options).items()}
+    call = getattr(kda, function)
+    bad = [
+        (ValueError, "'g' of the gated delta rule must be \\[B, T, HV\\]", dict(g=torch.randn(1, 20, 2, 8))),
+        (ValueError, "g must have shape \\[B, T, HV\\]", dict(g=torch.randn(1, 20, 3))),
+        (ValueError, "'dt_bias': expected 2 elements", dict(dt_bias=torch.zeros(16))),  # KDA's [HV*K]
+        (ValueError, "'A_log': expected 2 elements", dict(A_log=torch.zeros(16))),
+        (
+            ValueError,
+            "num_v_heads",
+            dict(
+                q=torch.randn(1, 20, 2, 8),
+                k=torch.randn(1, 20, 2, 8),
+                v=torch.randn(1, 20, 3, 8),
+                g=torch.randn(1, 20, 3),
+                beta=torch.rand(1, 20, 3),
+            ),
+        ),
+        (ValueError, "q and k", dict(k=torch.randn(1, 20, 2, 8))),
+        (ValueError, "'initial_state': expected shape", dict(initial_state=torch.zeros(1, 2, 8, 9))),
+        (TypeError, "'chunk_sizes'", dict(chunk_sizes=64)),
+        (NotImplementedError, "CPU.*'g' is on meta", dict(g=tensors["g"].to("meta"))),
+        (NotImplementedError, "headwise", dict(beta=torch.rand(1, 20, 2, 8))),
+        (ValueError, "allow_neg_eigval", dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False)),
+    ]
+    for error, message, override in bad:
+        args = dict(tensors)
+        opts = dict(options)
+        for n, x in override.items():
+            (args if n in args else opts)[n] = x
+        with pytest.raises(error, match=message):
+            call(**args, output_final_state=True, **opts)
+    with pytest.raises(AssertionError if function == "chunk_gated_delta_rule" else ValueError, match="A_log"):
+        call(**tensors, **dict(options, A_log=None))
+    for n, t in _all_tensors(tensors, options).items():
+        assert torch.equal(t, before[n]), n
+
+
+def test_chunk_specific_checks():
+    tensors, options = make_inputs(Case(T=20, K=8, V=8, **GDN))
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda.chunk_gated_delta_rule(**tensors, **options, chunk_size=128)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        kda.chunk_gated_delta_rule(**tensors, **options, cp_context=object())
+    with pytest.raises(DeprecationWarning, match="head_first"):
+        kda.chunk_gated_delta_rule(**tensors, **options, head_first=False)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="batch size"):
+        kda.chunk_gated_delta_rule(
+            **{n: t.expand(2, *t.shape[1:]) for n, t in tensors.items()},
+            cu_seqlens=torch.tensor([0, 20]),
+        )
+
+
+def test_kda_functions_refuse_a_per_head_gate():
+    tensors, options = make_inputs(Case(T=20, K=8, V=8, **GDN))
+    for function in ("chunk_kda", "fused_recurrent_kda"):
+        with pytest.raises(ValueError, match="'g' must be a 4-D tensor"):
+            getattr(kda, function)(**tensors, **options)
+    pool = torch.zeros(4, 2, 8, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match="'g' must be a 4-D tensor"):
+        kda.fused_recurrent_kda_fwd(
+            **{n: t[:, :1] for n, t in tensors.items()},
+            initial_state=pool,
+            ssm_state_indices=torch.tensor([1]),
+        )
+    assert not pool.any()
+
+
+# ---- the ops --------------------------------------------------------------------------------------
+
+
+def _op_args(case, requires_grad, keep, dtype=None):
+    tensors, options = make_inputs(case)
+    if dtype == torch.float64:
+        tensors, options = as_oracle(tensors, options)
+    t = {n: x.detach().clone().requires_grad_(requires_grad) for n, x in tensors.items()}
+    side = {
+        n: options[n].detach().clone().requires_grad_(requires_grad) if options.get(n) is not None else None
+        for n in ("A_log", "dt_bias", "initial_state")
+    }
+    gate = "softplus" if options.get("use_gate_in_kernel") else "log_decay"
+    beta_mode = "sigmoid" if options.get("use_beta_sigmoid_in_kernel") else "given"
+    opts = _ops.problem_options(
+        t["q"],
+        cu_seqlens=options.get("cu_seqlens"),
+        state_v_first=case.state_v_first,
+        qk_l2norm=bool(options.get("use_qk_l2norm_in_kernel")),
+        gate=gate,
+        beta_mode=beta_mode,
+    )
+    return (
+        t["q"],
+        t["k"],
+        t["v"],
+        t["g"],
+        t["beta"],
+        side["A_log"],
+        side["dt_bias"],
+        side["initial_state"],
+        *opts,
+        True,
+        keep,
+    )
+
+
+_OP_CASES = [
+    Case(B=2, T=70, H=1, HV=2, K=16, V=8, regime="unbounded", **KIMI, **GDN),
+    Case(T=90, cu_seqlens=[0, 20, 20, 90], H=1, HV=1, K=8, V=16, regime="strong", **GDN, state_v_first=True),
+]
+
+
+@pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
+@pytest.mark.parametrize("case", _OP_CASES, ids=str)
+def test_opcheck(path, case):
+    dtype = torch.float64 if path == "reference" else None
+    torch.library.opcheck(_ops.PATHS[path].forward_op, _op_args(case, True, path != "reference", dtype))
+    args = _op_args(case, False, True, dtype)
+    o, final, chunks = _ops.PATHS[path].forward_op(*args)
+    d_o = torch.randn_like(o)
+    a = _ops._FORWARD.Args._make(args)
+    backward_args = _ops._BACKWARD.Args(
+        **{n: getattr(a, n) for n in _ops._FROM_FORWARD},
+        chunk_states=chunks if path != "reference" else None,
+        d_o=d_o,
+        d_final_state=torch.randn_like(final),
+        want_d_initial_state=a.initial_state is not None,
+    )
+    torch.library.opcheck(_ops.PATHS[path].backward_op, tuple(backward_args))
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_compile_fullgraph_dynamic_sequence_length(function):
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    call = getattr(kda, function)
+
+    @torch.compile(fullgraph=True, dynamic=True, backend=counter)
+    def step(tensors, options):
+        o, s = call(**tensors, output_final_state=True, **options)
+        return o.sum() + s.sum()
+
+    for T in (40, 77):
+        tensors, options = make_inputs(Case(T=T, H=1, HV=2, K=16, V=16, regime="unbounded", **KIMI, **GDN))
+        tensors = {n: t.requires_grad_() for n, t in tensors.items()}
+        loss = step(tensors, options)
+        loss.backward()
+        eager = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+        o, s = call(**eager, output_final_state=True, **options)
+        (o.sum() + s.sum()).backward()
+        assert torch.allclose(loss, o.sum() + s.sum(), rtol=1e-6)
+        for n in tensors:
+            assert torch.equal(tensors[n].grad, eager[n].grad), n
+    assert counter.frame_count == 1
