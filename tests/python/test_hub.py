@@ -109,3 +109,20 @@ def test_command_line(tmp_path):
     assert metadata["version"] == 3
     with pytest.raises(ValueError, match="positive integer"):
         hub.build(tmp_path, version=0)
+
+
+def test_gated_delta_rule_layers_have_transformers_signatures(hub_folder):
+    module = kernels.get_local_kernel(hub_folder)
+    qwen = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    for layer, reference in (
+        (module.layers.chunk_gated_delta_rule, qwen.torch_chunk_gated_delta_rule),
+        (module.layers.recurrent_gated_delta_rule, qwen.torch_recurrent_gated_delta_rule),
+    ):
+        assert issubclass(layer, torch.nn.Module) and layer.__init__ is torch.nn.Module.__init__
+        assert layer.has_backward is True and layer.can_torch_compile is True
+        # transformers' decorator makes the function a kernels module whose forward has its signature
+        ours = inspect.signature(layer.forward).parameters
+        theirs = inspect.signature(type(reference).forward).parameters
+        assert [(n, p.kind, p.default) for n, p in ours.items()] == [
+            (n, p.kind, p.default) for n, p in theirs.items()
+        ]
