@@ -9,7 +9,8 @@ The torch layer, drop-in for flash-linear-attention's functions of the same name
 caller-allocated outputs; it needs no torch. The torch layer (``kda.functional``, ``kda.layers`` for
 the Hugging Face ``kernels`` hub, ``kda.hub`` to build that hub folder) and the serving entries
 (``kda.serving``: ``fused_recurrent_kda_fwd``, ``fused_recurrent_gdn_fwd``, state pools updated in
-place) are imported on first use.
+place) are imported on first use; ``kda.fla_backend.register()`` makes fla's own functions run
+through kda on CPU tensors.
 """
 
 import importlib
@@ -43,7 +44,7 @@ _TORCH_FUNCTIONS = {
     "fused_recurrent_gdn": "gated_delta_rule",
     "fused_recurrent_gdn_fwd": "serving",
 }
-_TORCH_MODULES = {"functional", "gated_delta_rule", "serving", "layers", "hub", "ops"}
+_TORCH_MODULES = {"functional", "gated_delta_rule", "serving", "layers", "hub", "fla_backend", "ops"}
 
 __all__ = ["engine", "simd_target", "simd_targets", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
 

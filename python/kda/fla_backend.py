@@ -1,0 +1,172 @@
+"""kda as a backend of flash-linear-attention's own functions, for CPU tensors (opt-in).
+
+fla-core 0.6.0 computes with Triton kernels, which cannot run on the CPU ("0 active drivers"). fla
+dispatches some of its entry points through a backend registry (``fla.backends``): before its own
+kernel runs, every registered backend is asked, in priority order, whether it takes the call. ::
+
+    import kda.fla_backend
+    kda.fla_backend.register()      # once; idempotent
+
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)   # CPU tensors: kda
+
+After ``register()``, these fla functions run through kda when every tensor argument is on the CPU
+(the verifier refuses any other call, which goes on to fla's next backend or its Triton kernel as
+before): ``fla.ops.kda.chunk_kda``; ``fla.ops.kda.fused_recurrent_kda`` (through
+``fused_recurrent_kda_fwd``, which it calls; fla's serving calls of that function too);
+``fla.ops.gated_delta_rule.chunk_gated_delta_rule``. Each is answered by kda's function of the same
+name (docs/python.md), so gradients flow where kda's do, ``fused_recurrent_kda`` included.
+fla's ``fused_recurrent_gated_delta_rule`` is not dispatched by fla 0.6.0 and cannot be taken over
+this way: call ``kda.fused_recurrent_gated_delta_rule``.
+
+``unregister()`` removes kda from the registry again. fla (and Triton, which fla imports) must be
+installed; ``register()`` raises ``ImportError`` otherwise.
+"""
+
+import torch
+
+__all__ = ["BACKEND_TYPE", "register", "registered", "unregister"]
+
+BACKEND_TYPE = "kda_cpu"
+# The dispatched entry points kda answers: (registry key, the method answering it).
+_OPERATIONS = ("kda", "gated_delta_rule")
+
+
+def _tensors(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+
+
+def cpu_only(*args, **kwargs):
+    """fla's verifier protocol: (accepted, reason). kda takes a call whose tensors are all on the CPU."""
+    seen = False
+    for t in _tensors(args, kwargs):
+        if not t.is_cpu:
+            return False, f"kda computes on the CPU; a tensor argument is on {t.device}"
+        seen = True
+    return (True, None) if seen else (False, "kda: no tensor argument")
+
+
+def _backend_class():
+    from fla.backends import BaseBackend
+
+    from . import functional, gated_delta_rule, serving
+
+    class KdaCpuBackend(BaseBackend):
+        """kda's engine for fla's dispatched entry points on CPU tensors."""
+
+        backend_type = BACKEND_TYPE
+        package_name = None  # kda is imported already
+        env_var = None
+        priority = 0  # before fla's GPU backends: the verifier takes CPU calls only
+
+        def chunk_kda(self, *args, **kwargs):
+            return functional.chunk_kda(*args, **kwargs)
+
+        def chunk_gated_delta_rule(self, *args, **kwargs):
+            return gated_delta_rule.chunk_gated_delta_rule(*args, **kwargs)
+
+        def fused_recurrent_kda_fwd(
+            self,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=None,
+            dt_bias=None,
+            initial_state=None,
+            scale=None,
+            output_final_state=False,
+            inplace_final_state=True,
+            state_v_first=False,
+            cu_seqlens=None,
+            ssm_state_indices=None,
+            num_accepted_tokens=None,
+            use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False,
+            use_beta_sigmoid_in_kernel=False,
+            allow_neg_eigval=False,
+            lower_bound=None,
+            out=None,
+            **kwargs,
+        ):
+            options = dict(
+                A_log=A_log,
+                dt_bias=dt_bias,
+                scale=scale,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval,
+                lower_bound=lower_bound,
+                state_v_first=state_v_first,
+                cu_seqlens=cu_seqlens,
+                **kwargs,
+            )
+            if (
+                ssm_state_indices is None
+                and num_accepted_tokens is None
+                and not inplace_final_state
+                and out is None
+            ):
+                # What fla's fused_recurrent_kda asks for: a fresh final state. kda's differentiable
+                # function answers it (the serving entry records no gradient).
+                return functional.fused_recurrent_kda(q, k, v, g, beta, **options)
+            return serving.fused_recurrent_kda_fwd(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                inplace_final_state=inplace_final_state,
+                ssm_state_indices=ssm_state_indices,
+                num_accepted_tokens=num_accepted_tokens,
+                out=out,
+                **options,
+            )
+
+    return KdaCpuBackend
+
+
+def _registries():
+    """fla's registries kda joins: the one of fla.ops.kda.chunk_kda (a function registry) and those of
+    the operations 'kda' and 'gated_delta_rule'."""
+    from inspect import unwrap
+
+    import fla.backends as backends
+    import fla.ops.gated_delta_rule  # noqa: F401  (defines the dispatched functions)
+    import fla.ops.kda as fla_kda
+
+    registries = [backends._function_registries[unwrap(fla_kda.chunk_kda)]]
+    registries += [backends._get_operation_registry(name) for name in _OPERATIONS]
+    return registries
+
+
+def register():
+    """Registers kda with fla's backend registry (idempotent): fla's ``chunk_kda``,
+    ``fused_recurrent_kda`` (``fused_recurrent_kda_fwd``) and ``chunk_gated_delta_rule`` then run
+    through kda when all their tensors are on the CPU."""
+    import fla.backends as backends
+    import fla.ops.gated_delta_rule  # noqa: F401
+    import fla.ops.kda as fla_kda
+
+    backend = _backend_class()
+    backends.register(fla_kda.chunk_kda, verifier=cpu_only)(backend)
+    for name in _OPERATIONS:
+        backends.register(name, verifier=cpu_only)(backend)
+
+
+def unregister():
+    """Removes kda from fla's registries (nothing happens if it was not registered)."""
+    for registry in _registries():
+        registry._backends.pop(BACKEND_TYPE, None)
+
+
+def registered() -> bool:
+    """Whether kda is registered with fla's backend registry (for every entry point it answers)."""
+    return all(BACKEND_TYPE in registry._backends for registry in _registries())

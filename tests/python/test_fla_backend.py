@@ -1,0 +1,109 @@
+"""kda registered with fla 0.6.0's backend registry (kda.fla_backend.register()): fla's own chunk_kda,
+fused_recurrent_kda and chunk_gated_delta_rule, called on CPU tensors, run through kda and give kda's
+results bit for bit; calls kda's verifier refuses go on to fla as before."""
+
+import warnings
+
+import kda
+import pytest
+import torch
+from harness import KIMI, Case, make_inputs
+
+fla_kda = pytest.importorskip("fla.ops.kda")
+fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule")
+from kda import fla_backend  # noqa: E402
+
+
+@pytest.fixture
+def registered():
+    fla_backend.register()
+    fla_backend.register()  # idempotent
+    assert fla_backend.registered()
+    yield
+    fla_backend.unregister()
+    assert not fla_backend.registered()
+
+
+def _grad_inputs(tensors, options):
+    t = {n: x.clone().requires_grad_() for n, x in tensors.items()}
+    o = {
+        n: (x.clone().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+        for n, x in options.items()
+    }
+    return t, o
+
+
+def _same_results_and_gradients(fla_function, kda_function, tensors, options):
+    ours_t, ours_o = _grad_inputs(tensors, options)
+    theirs_t, theirs_o = _grad_inputs(tensors, options)
+    o, s = kda_function(**ours_t, output_final_state=True, **ours_o)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fla's "Triton is not supported on current platform"
+        o_fla, s_fla = fla_function(**theirs_t, output_final_state=True, **theirs_o)
+    assert torch.equal(o, o_fla) and torch.equal(s, s_fla)
+    (o.sum() + s.sum()).backward()
+    (o_fla.sum() + s_fla.sum()).backward()
+    for n in ours_t:
+        assert torch.equal(ours_t[n].grad, theirs_t[n].grad), n
+    for n, x in ours_o.items():
+        if torch.is_tensor(x) and x.requires_grad:
+            assert torch.equal(x.grad, theirs_o[n].grad), n
+
+
+def test_fla_chunk_kda_runs_on_kda(registered):
+    tensors, options = make_inputs(Case(T=90, H=1, HV=2, K=16, V=16, regime="unbounded", **KIMI))
+    _same_results_and_gradients(fla_kda.chunk_kda, kda.chunk_kda, tensors, options)
+
+
+def test_fla_fused_recurrent_kda_runs_on_kda_with_a_backward(registered):
+    tensors, options = make_inputs(Case(T=20, H=1, HV=2, K=16, V=16, regime="strong", state_v_first=True))
+    _same_results_and_gradients(fla_kda.fused_recurrent_kda, kda.fused_recurrent_kda, tensors, options)
+
+
+def test_fla_chunk_gated_delta_rule_runs_on_kda(registered):
+    tensors, options = make_inputs(
+        Case(
+            T=100,
+            cu_seqlens=[0, 30, 100],
+            H=1,
+            HV=2,
+            K=16,
+            V=16,
+            regime="unbounded",
+            **KIMI,
+            gate_width="per_head",
+        )
+    )
+    _same_results_and_gradients(fla_gdn.chunk_gated_delta_rule, kda.chunk_gated_delta_rule, tensors, options)
+
+
+def test_fla_serving_entry_runs_on_a_pool(registered):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    tensors, options = make_inputs(Case(B=3, T=1, H=1, HV=2, K=16, V=16, regime="unbounded", **KIMI))
+    starts = options.pop("initial_state")
+    pool, pool_fla = torch.zeros(5, 2, 16, 16), torch.zeros(5, 2, 16, 16)
+    idx = torch.tensor([4, 0, 2])
+    pool[idx] = pool_fla[idx] = starts
+    with torch.no_grad():
+        o, _ = kda.fused_recurrent_kda_fwd(**tensors, initial_state=pool, ssm_state_indices=idx, **options)
+        o_fla, _ = fused_recurrent_kda_fwd(
+            **tensors, initial_state=pool_fla, ssm_state_indices=idx, **options
+        )
+    assert torch.equal(o, o_fla) and torch.equal(pool, pool_fla)
+
+
+def test_the_verifier_takes_cpu_tensors_only():
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    assert fla_backend.cpu_only(cpu, x=cpu) == (True, None)
+    accepted, reason = fla_backend.cpu_only(cpu, initial_state=meta)
+    assert not accepted and "meta" in reason
+    assert not fla_backend.cpu_only(1, scale=0.5)[0]
+
+
+def test_without_registration_fla_is_untouched():
+    assert not fla_backend.registered()
+    tensors, options = make_inputs(Case(T=10, K=8, V=8, gate_width="per_head"))
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="active drivers"):
+        warnings.simplefilter("ignore")
+        fla_gdn.chunk_gated_delta_rule(**tensors, **options)
