@@ -233,6 +233,28 @@ TEST(ForwardDeterminism, ThreadCounts) {
 //   f32 and strided bf16 views);
 //   H = 2, HV = 8 (GVA 4), five sequences: 1, 4, 8, 16 threads give groups of 8 (both q/k heads' value
 //   heads in one group), 4, 2 and 1.
+// One sequence of one head shares its state's column blocks out among the threads: the same
+// arithmetic per column, so bitwise the one-thread result, for both gate widths, both layouts, bf16
+// states' inputs, V not a multiple of the block width, and varlen with fewer items than threads.
+TEST(ForwardDeterminism, ColumnSharesOfOneHead) {
+  for (const char* spec : {"T=300 K=128 V=128 h0 seed=720", "T=300 K=64 V=200 per_head v_first h0 seed=721",
+                           "T=150 K=40 V=100 regime=unbounded softplus l2norm beta=sigmoid bf16 h0 seed=722",
+                           "lengths=130,70 K=32 V=256 per_head h0 seed=723"}) {
+    Data d;
+    make_data(parse_case(spec), d);
+    SCOPED_TRACE(d.c.name());
+    const reference::ForwardResult ref = oracle_forward(d);
+    const ForwardRun one = run_forward(Kernel::recurrent, d, RunOptions{1});
+    for (int threads : {2, 3, 8}) {
+      SCOPED_TRACE(threads);
+      const ForwardRun many = check_parity(Kernel::recurrent, d, ref, RunOptions{threads});
+      EXPECT_TRUE(bitwise_equal(one.out.o, many.out.o)) << "o";
+      EXPECT_TRUE(bitwise_equal(one.out.final_state, many.out.final_state)) << "final state";
+      EXPECT_TRUE(bitwise_equal(one.out.chunk_states, many.out.chunk_states)) << "chunk states";
+    }
+  }
+}
+
 TEST(ForwardDeterminism, HeadGroupings) {
   struct Grouping {
     Case c;

@@ -75,22 +75,26 @@ HWY_INLINE int64_t block_width() { return kFwdVectors * lanes(); }
 struct BlockedState {
   int64_t K = 0, Vp = 0, W = 0;
   float* data = nullptr;
+  // The column blocks a work item owns: [begin, end), multiples of W (end may be Vp). Columns of the
+  // state evolve independently, so items owning different blocks of one head run in parallel.
+  int64_t begin = 0, end = 0;
 
   int64_t width(int64_t c0) const { return std::min(W, Vp - c0); }
   float* block(int64_t c0) const { return data + K * c0; }
 };
 
 // Copies head hv of a sequence's states (f32 or bf16, the problem's layout; null: zeros) into the
-// blocked state.
+// blocked state's own column blocks.
 void load_blocked(const core::Plan& plan, const core::StateRef& states, int64_t hv, const BlockedState& S) {
   const int64_t K = plan.K, V = plan.V;
   if (!states) {
-    std::memset(S.data, 0, sizeof(float) * static_cast<size_t>(S.K * S.Vp));
+    for (int64_t c0 = S.begin; c0 < S.end; c0 += S.W)
+      std::memset(S.block(c0), 0, sizeof(float) * static_cast<size_t>(S.K * S.width(c0)));
     return;
   }
   const core::StateRef src = head_state(plan, states, hv);
   const bool plain = !plan.v_first() && src.dtype == DType::f32;
-  for (int64_t c0 = 0; c0 < V; c0 += S.W) {
+  for (int64_t c0 = S.begin; c0 < std::min(V, S.end); c0 += S.W) {
     const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
     float* blk = S.block(c0);
     for (int64_t kk = 0; kk < K; ++kk) {
@@ -110,7 +114,7 @@ void store_blocked(const core::Plan& plan, const BlockedState& S, const core::St
   const int64_t K = plan.K, V = plan.V;
   const core::StateRef dst = head_state(plan, states, hv);
   const bool plain = !plan.v_first() && dst.dtype == DType::f32;
-  for (int64_t c0 = 0; c0 < V; c0 += S.W) {
+  for (int64_t c0 = S.begin; c0 < std::min(V, S.end); c0 += S.W) {
     const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
     const float* blk = S.block(c0);
     if (plain) {
@@ -517,13 +521,17 @@ struct ForwardWork {
         Kp(padded(K_)),
         Vp(padded(V_)),
         heads(heads_),
-        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)} {
+        rows{BlockRows(Kp, Vp, heads_), BlockRows(Kp, Vp, heads_)},
+        col_end(Vp) {
     S.reset(heads * K * Vp);
     o.reset(heads * kC * Vp);
     decay.reset(heads * kC);
     gate_groups.resize(static_cast<size_t>(heads * (kC / kGroup)));
   }
-  BlockedState state(int64_t j) const { return {K, Vp, block_width(), S.data() + j * K * Vp}; }
+  int64_t col_begin = 0, col_end = 0;  // the column blocks of the current item (see BlockedState)
+  BlockedState state(int64_t j) const {
+    return {K, Vp, block_width(), S.data() + j * K * Vp, col_begin, col_end};
+  }
   float* output(int64_t j) const { return o.data() + j * kC * Vp; }
   // The bytes the constructor allocates per head.
   static int64_t bytes_per_head(int64_t K, int64_t V) {
@@ -556,7 +564,7 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
                        const RowPrefetch& next_in, const RowPrefetch& this_out, const Gather& gather,
                        core::PhaseClock& clock) {
   const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, L = lanes(), W = block_width();
-  const int64_t blocks = (Vp + W - 1) / W;
+  const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;
   const int64_t groups = (n + kGroup - 1) / kGroup;
   const RowPrefetch none{};
   for (int64_t j = 0; j < heads; ++j) {
@@ -576,7 +584,7 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
     const BlockedState S = w.state(j);
     const ChunkRows rows = cur.from(j, 0);
     const GateGroup* coefs = w.gate_groups.data() + j * (kC / kGroup);
-    for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
+    for (int64_t c0 = w.col_begin, cb = 0; c0 < w.col_end; c0 += W, ++cb) {
       const int64_t wb = S.width(c0);
       const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
       const PrefetchShare quiet(none, none, 0, 1);
@@ -613,11 +621,12 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
 template <bool kOutput>
 void forward_heads(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out, int64_t n_seq,
                    int64_t hv0, int64_t heads, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
-  HWY_DASSERT(kOutput || heads == 1);  // the checkpoints are one head's
+  // The checkpoints are one head's, every column.
+  HWY_DASSERT(kOutput || (heads == 1 && w.col_begin == 0 && w.col_end == w.Vp));
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
   const int64_t L = lanes(), W = block_width();
-  const int64_t blocks = (Vp + W - 1) / W;  // column blocks per head
+  const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;  // column blocks per head of this item
   for (int64_t j = 0; j < heads; ++j) load_blocked(plan, plan.initial[n_seq], hv0 + j, w.state(j));
   clock.lap(core::Phase::state_io);
   gather_block_rows(plan, in, seq, hv0, heads, 0, 0, std::min(kC, seq.length), w.rows[0]);
@@ -657,7 +666,7 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
       for (int64_t j = 0; j < heads; ++j) {
         const BlockedState S = w.state(j);
         const ChunkRows rows = cur.from(j, 0);
-        for (int64_t c0 = 0, cb = 0; c0 < Vp; c0 += W, ++cb) {
+        for (int64_t c0 = w.col_begin, cb = 0; c0 < w.col_end; c0 += W, ++cb) {
           const int nv = static_cast<int>(S.width(c0) / L);
           const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
           forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
@@ -670,9 +679,14 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
         }
       }
     if constexpr (kOutput) {
+      // This item's columns of o: the view moved to its first column.
+      Output o = out->o;
+      o.data = static_cast<char*>(o.data) + w.col_begin * static_cast<int64_t>(core::dtype_size(o.dtype));
+      const int64_t cols = std::min(V, w.col_end) - w.col_begin;
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < heads; ++j)
-          store_row(out->o, seq.batch_index, seq.first_token + t0 + i, hv0 + j, V, w.output(j) + i * Vp);
+          store_row(o, seq.batch_index, seq.first_token + t0 + i, hv0 + j, cols,
+                    w.output(j) + i * Vp + w.col_begin);
       clock.lap(core::Phase::store);
     }
   }

@@ -18,17 +18,30 @@
 HWY_BEFORE_NAMESPACE();
 namespace kda::cpu::HWY_NAMESPACE {
 
+// Work items are (sequence, group of heads, share of the state's column blocks). The columns of a
+// state evolve independently (docs/math.md, "The recurrence"), so when the (sequence, group) pairs
+// are fewer than the threads each pair's column blocks are shared out among up to threads / pairs
+// items: every column runs the same arithmetic whichever item owns it, so the results are bitwise
+// those of the unshared run, and the only extra work is each item gathering the rows it reads.
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                       core::Runner& run) {
   const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
   const int64_t groups = (plan.HV + heads - 1) / heads;
-  const int64_t items = plan.num_sequences() * groups;
+  const int64_t pairs = plan.num_sequences() * groups;
+  const int64_t W = block_width(), blocks = (padded(plan.V) + W - 1) / W;
+  const int64_t shares = std::clamp<int64_t>(run.threads() / std::max<int64_t>(pairs, 1), 1, blocks);
+  const int64_t items = pairs * shares;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
   run.parallel_for(items, [&](int64_t item, int worker) {
     core::PhaseClock clock(core::Kernel::recurrent_forward);
-    const int64_t hv0 = item % groups * heads;
-    forward_heads<true>(plan, in, &out, item / groups, hv0, std::min(heads, plan.HV - hv0),
-                        *work[static_cast<size_t>(worker)], nullptr, clock);
+    const int64_t pair = item / shares, share = item % shares;
+    const int64_t hv0 = pair % groups * heads;
+    ForwardWork& w = *work[static_cast<size_t>(worker)];
+    w.col_begin = std::min(w.Vp, share * blocks / shares * W);
+    w.col_end = std::min(w.Vp, (share + 1) * blocks / shares * W);
+    forward_heads<true>(plan, in, &out, pair / groups, hv0, std::min(heads, plan.HV - hv0), w, nullptr,
+                        clock);
+    w.col_begin = 0, w.col_end = w.Vp;
   });
 }
 
