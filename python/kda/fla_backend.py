@@ -29,7 +29,7 @@ import torch
 __all__ = ["BACKEND_TYPE", "register", "registered", "unregister"]
 
 BACKEND_TYPE = "kda_cpu"
-# The dispatched entry points kda answers: (registry key, the method answering it).
+# fla's operation registries kda joins (besides chunk_kda's function registry).
 _OPERATIONS = ("kda", "gated_delta_rule")
 
 
