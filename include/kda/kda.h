@@ -325,6 +325,13 @@ KDA_API kda_status kda_decode(const kda_problem* p, const kda_decode_inputs* inp
                               const kda_state_pool* pool, const kda_decode_outputs* outputs,
                               const kda_run_options* options);
 
+/* Context parallelism: the map sequence `sequence` applies to the state entering it,
+ * S_out = M S_in + S_local per value head (kda::segment_transition): M [HV, K, K] (K-first terms),
+ * S_local [HV, state] in the problem's layout. inputs->initial_state must be null. */
+KDA_API kda_status kda_segment_transition(const kda_problem* p, const kda_forward_inputs* inputs,
+                                          int64_t sequence, float* M, float* S_local,
+                                          const kda_run_options* options);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -358,6 +358,18 @@ void recurrent_backward(const Prepared& p, const BackwardInputs& in, const Backw
 void decode(const Prepared& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
             const RunOptions& opt = {});
 
+// ---- context parallelism ------------------------------------------------------------------------
+
+// The map sequence `sequence` of the problem applies to the state entering it, for a sequence cut
+// into segments (one per rank or thread): S_out = M S_in + S_local per value head, with
+//   M [HV, K, K]: S_out = M S_in in K-first terms (the product of the tokens' (I - beta k k^T) diag(e^g),
+//                 norm <= 1 for beta in [0, 2] and unit keys), and
+//   S_local [HV, state]: the state the segment leaves from zeros, in the problem's state layout.
+// in.initial_state and in.pooled_states must be null. Costs one forward at value width V + K.
+// docs/math.md, "Segment transitions", chains them.
+void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequence, float* M,
+                        float* S_local, const RunOptions& opt = {});
+
 }  // namespace kda
 
 #if defined(__GNUC__)

@@ -392,6 +392,17 @@ kda_status kda_recurrent_backward(const kda_problem* p, const kda_backward_input
   return backward("kda_recurrent_backward", &kda::recurrent_backward, p, inputs, outputs, options);
 }
 
+kda_status kda_segment_transition(const kda_problem* p, const kda_forward_inputs* inputs, int64_t sequence,
+                                  float* M, float* S_local, const kda_run_options* options) {
+  constexpr const char* name = "kda_segment_transition";
+  return guarded([&] {
+    Call call(name);
+    const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
+    const kda::ForwardInputs& in = call.forward_inputs(inputs, "inputs");
+    kda::segment_transition(kda::prepare(problem), in, sequence, M, S_local, to_cpp(options, name));
+  });
+}
+
 kda_status kda_decode(const kda_problem* p, const kda_decode_inputs* inputs, const kda_state_pool* pool,
                       const kda_decode_outputs* outputs, const kda_run_options* options) {
   return guarded([&] {

@@ -1,0 +1,207 @@
+// Segment transitions (context parallelism): the map S_out = M S_in + S_local a sequence applies to
+// its entering state, against the float64 oracle run from a random entering state, in every gate
+// regime and both gate widths; M's norm bound; chaining two halves of a sequence; bad arguments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kda/kda.h"
+#include "test_util.hpp"
+
+namespace kda::test {
+namespace {
+
+struct Transition {
+  std::vector<float> M, S_local;
+};
+
+Transition transition_of(const Data& d, int64_t sequence, const RunOptions& opt = {}) {
+  const Case& c = d.c;
+  Transition t{std::vector<float>(static_cast<size_t>(c.HV * c.K * c.K), NAN),
+               std::vector<float>(static_cast<size_t>(c.HV * c.K * c.V), NAN)};
+  ForwardInputs in = d.inputs();
+  in.initial_state = nullptr;
+  segment_transition(prepare(d.problem()), in, sequence, t.M.data(), t.S_local.data(), opt);
+  return t;
+}
+
+// M S_in + S_local in double, for the [HV, state] entering state S_in of the problem's layout.
+std::vector<double> apply(const Case& c, const Transition& t, const float* S_in) {
+  const int64_t K = c.K, V = c.V;
+  const bool vf = c.layout == StateLayout::v_first;
+  const auto at = [&](int64_t i, int64_t j) { return vf ? j * K + i : i * V + j; };
+  std::vector<double> out(static_cast<size_t>(c.HV * K * V));
+  for (int64_t hv = 0; hv < c.HV; ++hv)
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t j = 0; j < V; ++j) {
+        double s = t.S_local[static_cast<size_t>(hv * K * V + at(i, j))];
+        for (int64_t l = 0; l < K; ++l)
+          s += static_cast<double>(t.M[static_cast<size_t>((hv * K + i) * K + l)]) *
+               S_in[hv * K * V + at(l, j)];
+        out[static_cast<size_t>(hv * K * V + at(i, j))] = s;
+      }
+  return out;
+}
+
+// The largest singular value of each head's M, by power iteration on M^T M.
+double largest_norm(const Case& c, const std::vector<float>& M) {
+  double worst = 0.0;
+  const int64_t K = c.K;
+  for (int64_t hv = 0; hv < c.HV; ++hv) {
+    const float* m = M.data() + hv * K * K;
+    std::vector<double> x(static_cast<size_t>(K), 1.0), y(static_cast<size_t>(K));
+    double norm = 0.0;
+    for (int it = 0; it < 200; ++it) {
+      double xx = 0.0, yy = 0.0;
+      for (int64_t i = 0; i < K; ++i) {
+        y[i] = 0.0;
+        for (int64_t l = 0; l < K; ++l) y[i] += m[i * K + l] * x[l];
+      }
+      for (int64_t l = 0; l < K; ++l) {
+        double z = 0.0;
+        for (int64_t i = 0; i < K; ++i) z += m[i * K + l] * y[i];
+        xx += x[l] * x[l];
+        x[l] = z;
+      }
+      for (double e : y) yy += e * e;
+      norm = std::sqrt(yy / std::max(xx, 1e-300));
+      double s = 0.0;
+      for (double e : x) s += e * e;
+      if (s == 0.0) break;
+      for (double& e : x) e /= std::sqrt(s);
+    }
+    worst = std::max(worst, norm);
+  }
+  return worst;
+}
+
+class SegmentTransition : public ::testing::TestWithParam<Case> {};
+
+// Against the oracle: the state the last sequence leaves from its (random) entering state.
+TEST_P(SegmentTransition, AgainstTheOracle) {
+  Data d;
+  make_data(GetParam(), d);
+  const Case& c = d.c;
+  const int64_t n = d.num_sequences() - 1;
+  const reference::ForwardResult ref = oracle_forward(d);
+  const Transition t = transition_of(d, n);
+  const int64_t state = c.HV * c.K * c.V;
+  const std::vector<double> got = apply(c, t, d.h0.data() + n * state);
+  const std::vector<double> want(ref.final_state.begin() + n * state,
+                                 ref.final_state.begin() + (n + 1) * state);
+  EXPECT_LE(rel_rms(want, got), tolerance("forward", DType::f32, "state"));
+  // The factors have norm <= 1 for beta in [0, 2] and unit keys, so M does, up to rounding.
+  EXPECT_LE(largest_norm(c, t.M), 1.0 + 1e-5);
+  for (float x : t.M) ASSERT_TRUE(std::isfinite(x));
+  // Bitwise the same on any thread count.
+  const Transition t2 = transition_of(d, n, RunOptions{2});
+  EXPECT_EQ(t.M, t2.M);
+  EXPECT_EQ(t.S_local, t2.S_local);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, SegmentTransition,
+    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+        "T=97 HV=2 K=32 V=48 h0 seed=3000",
+        "T=130 H=1 HV=2 K=40 V=24 regime=strong v_first h0 seed=3001",
+        "T=65 HV=1 K=16 V=16 regime=zero h0 seed=3002",
+        "T=136 HV=2 K=32 V=40 regime=spike per_head h0 seed=3003",
+        "T=149 HV=2 K=32 V=32 regime=unbounded softplus l2norm beta=sigmoid_x2 h0 seed=3004",
+        "lengths=5,130,77 H=1 HV=2 K=24 V=40 regime=unbounded softplus l2norm beta=sigmoid per_head v_first "
+        "h0 "
+        "seed=3005",
+        "T=100 HV=2 K=32 V=16 regime=strong lower_bound beta=sigmoid_x2 bf16 h0 seed=3006",
+        "T=1 HV=1 K=8 V=8 per_head h0 seed=3007",
+    }))),
+    case_name);
+
+// Two halves of one sequence: the second's transition applied to the state the first leaves is the
+// whole sequence's final state (what a rank computes from its predecessor's map).
+TEST(SegmentTransitionChain, TwoHalvesMakeTheWhole) {
+  for (const char* spec :
+       {"T=200 HV=2 K=32 V=24 h0 seed=3010", "T=200 HV=2 K=32 V=24 per_head v_first h0 seed=3011"}) {
+    Data whole;
+    make_data(parse_case(spec), whole);
+    SCOPED_TRACE(whole.c.name());
+    const reference::ForwardResult ref = oracle_forward(whole);
+    // The same tokens as a varlen batch of two segments.
+    Case halves_case = whole.c;
+    halves_case.lengths = {123, 77};
+    Data halves;
+    make_data(halves_case, halves);
+    // Same draws? Not guaranteed by the generator: copy the whole sequence's tensors instead.
+    for (int64_t t = 0; t < 200; ++t) {
+      for (int64_t h = 0; h < halves_case.H; ++h)
+        for (int64_t i = 0; i < halves_case.K; ++i) {
+          halves.q.set(0, t, h, i, whole.q.get(0, t, h, i));
+          halves.k.set(0, t, h, i, whole.k.get(0, t, h, i));
+        }
+      for (int64_t hv = 0; hv < halves_case.HV; ++hv) {
+        for (int64_t i = 0; i < halves_case.V; ++i) halves.v.set(0, t, hv, i, whole.v.get(0, t, hv, i));
+        for (int64_t i = 0; i < halves_case.gate_dim(); ++i)
+          halves.g.set(0, t, hv, i, whole.g.get(0, t, hv, i));
+        halves.beta.set(0, t, hv, 0, whole.beta.get(0, t, hv, 0));
+      }
+    }
+    const Transition first = transition_of(halves, 0), second = transition_of(halves, 1);
+    const int64_t state = whole.c.HV * whole.c.K * whole.c.V;
+    const std::vector<double> mid = apply(whole.c, first, whole.h0.data());
+    const std::vector<float> mid_f(mid.begin(), mid.end());
+    const std::vector<double> got = apply(whole.c, second, mid_f.data());
+    const std::vector<double> want(ref.final_state.begin(), ref.final_state.begin() + state);
+    EXPECT_LE(rel_rms(want, got), tolerance("forward", DType::f32, "state"));
+  }
+}
+
+TEST(SegmentTransitionErrors, NameTheArgumentAndWriteNothing) {
+  Data d;
+  make_data(parse_case("lengths=5,9 HV=2 K=8 V=8 h0 seed=3020"), d);
+  std::vector<float> M(2 * 8 * 8, 7.0f), S(2 * 8 * 8, 7.0f);
+  ForwardInputs in = d.inputs();
+  const Prepared p = prepare(d.problem());
+  expect_kda_error("initial_state", [&] { segment_transition(p, in, 0, M.data(), S.data()); });
+  in.initial_state = nullptr;
+  expect_kda_error("sequence", [&] { segment_transition(p, in, 2, M.data(), S.data()); });
+  expect_kda_error("sequence", [&] { segment_transition(p, in, -1, M.data(), S.data()); });
+  expect_kda_error("M", [&] { segment_transition(p, in, 0, nullptr, S.data()); });
+  expect_kda_error("S_local", [&] { segment_transition(p, in, 0, M.data(), nullptr); });
+  ForwardInputs bad = in;
+  bad.q.dim = 9;
+  expect_kda_error("q", [&] { segment_transition(p, bad, 0, M.data(), S.data()); });
+  for (float x : M) ASSERT_EQ(x, 7.0f);
+  for (float x : S) ASSERT_EQ(x, 7.0f);
+}
+
+// The C ABI entry gives the C++ results.
+TEST(SegmentTransitionCAbi, SameAsCpp) {
+  Data d;
+  make_data(parse_case("T=70 HV=2 K=16 V=8 per_head h0 seed=3030"), d);
+  const Transition cpp = transition_of(d, 0);
+  kda_problem p = kda_problem_default();
+  p.seq_len = 70;
+  p.heads = 1;
+  p.value_heads = 2;
+  p.key_dim = 16;
+  p.value_dim = 8;
+  p.gate_width = KDA_GATE_WIDTH_PER_HEAD;
+  const ForwardInputs in = d.inputs();
+  kda_forward_inputs cin = KDA_FORWARD_INPUTS_INIT;
+  const auto view = [](const Input& v) {
+    kda_input x;
+    x.data = v.data;
+    x.dtype = static_cast<int32_t>(v.dtype);
+    x.stride_b = v.stride_b, x.stride_t = v.stride_t, x.stride_h = v.stride_h;
+    x.heads = v.heads, x.dim = v.dim;
+    return x;
+  };
+  cin.q = view(in.q), cin.k = view(in.k), cin.v = view(in.v), cin.g = view(in.g), cin.beta = view(in.beta);
+  std::vector<float> M(cpp.M.size()), S(cpp.S_local.size());
+  ASSERT_EQ(kda_segment_transition(&p, &cin, 0, M.data(), S.data(), nullptr), KDA_OK) << kda_last_error();
+  EXPECT_EQ(M, cpp.M);
+  EXPECT_EQ(S, cpp.S_local);
+  EXPECT_EQ(kda_segment_transition(&p, &cin, 3, M.data(), S.data(), nullptr), KDA_ERROR_INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace kda::test
