@@ -58,6 +58,7 @@ next to this machine's OpenBLAS sgemm rate at the same thread count, and where t
   --sgemm-n N      sgemm size N x N x N (default 2048)
   --no-backward    skip the training (forward+backward) timing
   --no-profile     skip the per-phase breakdown
+  --per-head       the gated delta rule's gate (g [B, T, HV], one decay per head and token)
   --openblas-core-as-set
                    keep an OPENBLAS_CORETYPE the environment sets even when its kernels have no
                    AVX-512 and the CPU has (by default sgemm then runs with SkylakeX's kernels)
@@ -99,6 +100,7 @@ struct Options {
   bool backward = true;
   bool profile = true;
   bool openblas_core_as_set = false;
+  bool per_head = false;      // the gated delta rule's gate (one decay per head and token)
   double baseline_train = 0;  // 0: this machine's entry of kTrainBaselines, if any
   std::string baseline_note;
 };
@@ -140,6 +142,10 @@ Options parse(int argc, char** argv) {
     }
     if (flag == "--openblas-core-as-set") {
       o.openblas_core_as_set = true;
+      continue;
+    }
+    if (flag == "--per-head") {
+      o.per_head = true;
       continue;
     }
     if (i + 1 >= argc) usage_error("missing value after " + flag);
@@ -318,6 +324,7 @@ int run_shape(const Options& o, const hs::Case& s) {
   std::fprintf(stderr, "%s: generating inputs...\n", s.shape().c_str());
   hs::Case c = s;  // mild log-decay gates, a random initial state
   c.initial_state = true;
+  if (o.per_head) c.gate_width = kda::GateWidth::per_head;
   hs::Data d, d16;
   hs::make_data(c, d);
   c.dtype = kda::DType::bf16;

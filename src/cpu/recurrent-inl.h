@@ -551,7 +551,15 @@ inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, c
   if (count <= 0) return;
   load_rows_of_heads(plan, in, seq, hv0, heads, t_begin, first, count,
                      [&](int64_t j, int64_t i) { return rows.from(j, i); });
-  for (int64_t j = 0; j < heads; ++j) exp_rows(rows.from(j, first).g, count, rows.Kp);
+  for (int64_t j = 0; j < heads; ++j) {
+    float* g = rows.from(j, first).g;
+    if (plan.per_head_gate()) {
+      // The per-head sweep reads channel 0 only (scalar_gate_sweep): one exponential per token.
+      for (int64_t i = 0; i < count; ++i) g[i * rows.Kp] = std::exp(std::min(g[i * rows.Kp], 0.0f));
+    } else {
+      exp_rows(g, count, rows.Kp);
+    }
+  }
 }
 
 // The sweep of one block of n tokens of `heads` value heads with a per-head gate (see
