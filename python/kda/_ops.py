@@ -363,6 +363,45 @@ PATHS = {
     )
 }
 
+# ---- plain engine calls by argument name (context parallelism, kda.cp) -----------------------------
+
+CHUNK_SIZE = _engine.CHUNK_SIZE
+
+
+def engine_forward(path, *, options, **named):
+    """A path's forward implementation, called directly (not an op: nothing is recorded), with the
+    forward op's arguments by name and the problem options as an ``Options``; returns (o, final_state
+    or None, chunk_states or None)."""
+    return PATHS[path].compute_forward(*_FORWARD.Args(**named, **options._asdict()))
+
+
+def engine_backward(path, *, options, **named):
+    """A path's backward implementation, called directly, with the backward op's arguments by name:
+    (dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias), an empty tensor for each of the last
+    three not computed."""
+    return PATHS[path].backward(*_BACKWARD.Args(**named, **options._asdict()))
+
+
+def segment_transition(problem, q, k, v, g, beta, A_log, dt_bias, sequence):
+    """(M [HV, K, K], S_local [*problem.state_shape]), fp32: what sequence `sequence` of the prepared
+    problem does to the state entering it, S_out = M S_in + S_local (K-first terms; docs/math.md,
+    "Segment transitions"). Not differentiated."""
+    hv, K = problem.state_shape[0], q.shape[3]
+    M = torch.empty(hv, K, K, dtype=torch.float32)
+    S_local = torch.empty(problem.state_shape, dtype=torch.float32)
+    _engine.segment_transition(
+        problem,
+        *map(_to_dlpack, (q, k, v, g, beta)),
+        sequence,
+        _to_dlpack(M),
+        _to_dlpack(S_local),
+        A_log=_dl(A_log),
+        dt_bias=_dl(dt_bias),
+        num_threads=num_threads(),
+    )
+    return M, S_local
+
+
 # ---- serving: ops that update a state pool in place ----------------------------------------------
 
 
@@ -506,9 +545,12 @@ __all__ = [
     "PROBLEM_OPTIONS",
     "Options",
     "decode",
+    "engine_backward",
+    "engine_forward",
     "forward",
     "inspect_inputs",
     "num_threads",
     "pooled_forward",
     "problem_options",
+    "segment_transition",
 ]

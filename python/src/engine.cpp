@@ -421,6 +421,22 @@ void decode_entry(const kda::Prepared& p, const InArray& q, const InArray& k, co
   kda::decode(p, in, pool_v, out, kda::RunOptions{num_threads});
 }
 
+// The map sequence `sequence` of the problem applies to the state entering it (context parallelism):
+// S_out = M S_in + S_local, M [HV, K, K] in K-first terms, S_local [HV, state] in the problem's layout.
+void segment_transition_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
+                              const InArray& g, const InArray& beta, int64_t sequence, const OutArray& M,
+                              const OutArray& S_local, const OptIn& A_log, const OptIn& dt_bias,
+                              int num_threads) {
+  const SideShapes s(p);
+  const kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, std::nullopt);
+  const kda::Problem& pr = p.problem();
+  const std::vector<int64_t> one_state(s.state.begin() + 1, s.state.end());
+  float* m = packed_out("M", M, {pr.value_heads, pr.key_dim, pr.key_dim});
+  float* local = packed_out("S_local", S_local, one_state);
+  nb::gil_scoped_release release;
+  kda::segment_transition(p, in, sequence, m, local, kda::RunOptions{num_threads});
+}
+
 // ---- the float64 oracle ------------------------------------------------------------------------
 
 // Copies a float64 array of any strides into a packed vector (empty for a missing array).
@@ -648,6 +664,14 @@ NB_MODULE(_engine, m) {
         "(problem, q, k, v, g, beta, o, pool, state_indices, *, num_accepted_tokens, A_log, dt_bias, "
         "num_threads): batched decode on a state pool [num_slots, HV, K, V] (or V-first), updated in "
         "place; writes o.");
+  m.def("segment_transition", &segment_transition_entry, nb::arg("problem"), nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("sequence"), nb::arg("M"), nb::arg("S_local"),
+        nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),
+        nb::arg("num_threads") = 0,
+        "(problem, q, k, v, g, beta, sequence, M, S_local, *, A_log, dt_bias, num_threads): what sequence "
+        "`sequence` does to the state entering it, S_out = M S_in + S_local per value head (context "
+        "parallelism); writes M [HV, K, K] (K-first terms) and S_local [*problem.state_shape] (the "
+        "problem's layout), fp32. The sequence is read from a zero state: no initial state.");
   m.def("reference_forward", &reference_forward, KDA_FORWARD_ARGS,
         "The float64 oracle's forward: every array float64, any strides.");
   m.def("reference_backward", &reference_backward, KDA_BACKWARD_ARGS,
