@@ -10,7 +10,7 @@ caller-allocated outputs; it needs no torch. The torch layer (``kda.functional``
 the Hugging Face ``kernels`` hub, ``kda.hub`` to build that hub folder) and the serving entries
 (``kda.serving``: ``fused_recurrent_kda_fwd``, ``fused_recurrent_gdn_fwd``, state pools updated in
 place) are imported on first use; ``kda.fla_backend.register()`` makes fla's own functions run
-through kda on CPU tensors.
+through kda on CPU tensors; ``kda.cp`` is context parallelism over ``torch.distributed``.
 """
 
 import importlib
@@ -44,7 +44,7 @@ _TORCH_FUNCTIONS = {
     "fused_recurrent_gdn": "gated_delta_rule",
     "fused_recurrent_gdn_fwd": "serving",
 }
-_TORCH_MODULES = {"functional", "gated_delta_rule", "serving", "layers", "hub", "fla_backend", "ops"}
+_TORCH_MODULES = {"functional", "gated_delta_rule", "serving", "layers", "hub", "fla_backend", "ops", "cp"}
 
 __all__ = ["engine", "simd_target", "simd_targets", "CHUNK_SIZE", "MAX_HEAD_DIM", *sorted(_TORCH_FUNCTIONS)]
 

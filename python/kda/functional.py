@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops
+from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
@@ -70,12 +71,13 @@ def _run(
     output_final_state,
     want_chunk_states,
     per_head=False,
+    cp=None,
 ):
     """One engine call through the custom ops (``problem``: the problem options by name, see
     ``_ops.problem_options``): returns (o, final_state, chunk_states) in the engine's dtypes (o in v's
     compute dtype); final_state / chunk_states are None when not asked for. ``per_head``: the gated
     delta rule's gate g [B, T, HV] (the engine reads the width from g's rank; this says which the
-    caller's function takes)."""
+    caller's function takes). ``cp``: a context-parallel call (``kda.cp.Call``), which runs it."""
     check_gate_width(g, per_head)
     options = _ops.problem_options(q, **problem)
     (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
@@ -93,6 +95,8 @@ def _run(
     if initial_state is not None:
         initial_state = side(initial_state, state_dtype)
     grad, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, initial_state, options.cu_seqlens))
+    if cp is not None:
+        return cp.forward(path, q, k, v, g, beta, A_log, dt_bias, options, grad), None, None
     o, final, chunks = _ops.forward(
         path,
         plain and not grad,
@@ -162,8 +166,13 @@ def chunk_kda(
     Accepted because the result cannot differ on the CPU: ``chunk_size`` (32 or 64; the engine always
     chunks by 64 and its results do not depend on the chunk size beyond rounding), ``safe_gate`` (the
     engine is exact for any gate, bounded or not; fla's bound checks still apply), ``disable_recompute``,
-    ``use_graph`` and ``max_num_seqs``. Not supported (``NotImplementedError``): ``cp_context`` (context
-    parallelism), a headwise beta ``[B, T, HV, V]``, ``return_intermediate_states`` with ``chunk_size=32``.
+    ``use_graph`` and ``max_num_seqs``. Not supported (``NotImplementedError``): a headwise beta
+    ``[B, T, HV, V]``, ``return_intermediate_states`` with ``chunk_size=32``.
+
+    ``cp_context`` (context parallelism over ``torch.distributed``, ``kda.cp.build_cp_context``): the
+    tensors are this rank's shard of a packed B = 1 batch (the context's ``cu_seqlens`` replace
+    ``cu_seqlens``); no ``initial_state`` or ``output_final_state`` (``AssertionError``, as in fla);
+    forward and backward exchange data with the other ranks (see ``kda.cp``).
 
     Returns ``(o, final_state)``: ``o [B, T, HV, V]`` in q's dtype, ``final_state`` or None; with
     ``return_intermediate_states=True`` also ``h``, the state entering every 64-token chunk,
@@ -171,11 +180,11 @@ def chunk_kda(
     carries no gradient, so it is refused while gradients are recorded (as fla refuses it outside
     inference mode).
     """
+    if cp_context is not None and not isinstance(cp_context, _cp.Call):
+        return _cp.Call.run(chunk_kda, locals())  # every rank learns of a bad argument on any rank
     reject_unknown("chunk_kda", kwargs, _CHUNK_KWARGS)
     state_v_first = state_v_first_of(state_v_first, kwargs)
-    if cp_context is not None:
-        raise NotImplementedError("kda: context parallelism (cp_context) is not supported on the CPU")
-    if cu_seqlens is None and cu_seqlens_cpu is not None:
+    if cu_seqlens is None and cu_seqlens_cpu is not None and cp_context is None:
         raise ValueError("kda: cu_seqlens_cpu was given without cu_seqlens; pass the offsets as cu_seqlens")
     if (
         use_graph
@@ -215,6 +224,14 @@ def chunk_kda(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, "chunk_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
+    if cp_context is not None:
+        if pooled or return_intermediate_states:
+            raise NotImplementedError(
+                "kda: cp_context does not take a state pool (ssm_state_indices) or return_intermediate_states"
+            )
+        cu_seqlens = cp_context.begin(
+            check_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
+        )
     problem = _problem(
         cu_seqlens,
         scale,
@@ -270,6 +287,7 @@ def chunk_kda(
             initial_state=initial_state,
             output_final_state=output_final_state,
             want_chunk_states=return_intermediate_states,
+            cp=cp_context,
         )
     if o.dtype != out_dtype:
         o = o.to(out_dtype)

@@ -17,6 +17,7 @@ supported. dtypes, devices, copies and threads are as for ``kda.functional`` (do
 
 import torch
 
+from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
     check_gdn_tensors,
@@ -95,17 +96,19 @@ def chunk_gated_delta_rule(
     ``use_beta_sigmoid_in_kernel`` / ``allow_neg_eigval``: beta given as logits (``sigmoid(beta)`` or
     ``2 sigmoid(beta)``); ``use_qk_l2norm_in_kernel``: ``x / sqrt(sum(x^2) + 1e-6)`` of q and k rows;
     ``scale`` defaults to ``K ** -0.5``. ``cu_seqlens_cpu`` and ``chunk_indices`` are accepted and
-    not needed (the offsets are on the CPU already). ``cp_context``: ``NotImplementedError``.
+    not needed (the offsets are on the CPU already). ``cp_context``: context parallelism over
+    ``torch.distributed`` (``kda.cp.build_cp_context``; B = 1, no ``initial_state`` or
+    ``output_final_state``), as for ``kda.chunk_kda``.
 
     Returns ``(o, final_state)``: ``o [B, T, HV, V]`` in q's dtype, ``final_state`` float32 or None.
     Every input gets its exact gradient (q, k, v, g, beta, A_log, dt_bias, initial_state).
     """
+    if cp_context is not None and not isinstance(cp_context, _cp.Call):
+        return _cp.Call.run(chunk_gated_delta_rule, locals())  # every rank learns of a bad argument
     reject_unknown("chunk_gated_delta_rule", kwargs, _CHUNK_KWARGS)
     state_v_first = state_v_first_of(state_v_first, kwargs)
     if "head_first" in kwargs:
         raise DeprecationWarning("kda: head_first is not supported; pass tensors as [B, T, H, ...]")
-    if cp_context is not None:
-        raise NotImplementedError("kda: context parallelism (cp_context) is not supported on the CPU")
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"kda: chunk_size must be 16, 32 or 64 for the gated delta rule, got {chunk_size}")
@@ -114,6 +117,12 @@ def chunk_gated_delta_rule(
     if use_gate_in_kernel and A_log is None:
         raise AssertionError("kda: use_gate_in_kernel=True needs A_log [HV]")
     gate, A_log, dt_bias = _gdn_gate(use_gate_in_kernel, A_log, dt_bias, "chunk_gated_delta_rule")
+    if cp_context is not None:
+        if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
+            raise NotImplementedError("kda: cp_context does not take a state pool (ssm_state_indices)")
+        cu_seqlens = cp_context.begin(
+            check_gdn_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
+        )
     problem = _problem(
         cu_seqlens,
         scale,
@@ -156,6 +165,7 @@ def chunk_gated_delta_rule(
             output_final_state=output_final_state,
             want_chunk_states=False,
             per_head=True,
+            cp=cp_context,
         )
     return (o if o.dtype == out_dtype else o.to(out_dtype)), final
 

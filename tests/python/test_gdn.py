@@ -409,7 +409,7 @@ def test_chunk_specific_checks():
     tensors, options = make_inputs(Case(T=20, K=8, V=8, **GDN))
     with pytest.raises(ValueError, match="chunk_size"):
         kda.chunk_gated_delta_rule(**tensors, **options, chunk_size=128)
-    with pytest.raises(NotImplementedError, match="cp_context"):
+    with pytest.raises(TypeError, match="'cp_context'"):  # kda.cp's contexts only (test_cp.py)
         kda.chunk_gated_delta_rule(**tensors, **options, cp_context=object())
     with pytest.raises(DeprecationWarning, match="head_first"):
         kda.chunk_gated_delta_rule(**tensors, **options, head_first=False)
