@@ -6,6 +6,7 @@ it fails (and kills them) when they do not all finish within the timeout: a rank
 collective shows up as a timeout, not a hung test run.
 """
 
+import gc
 import time
 import traceback
 from datetime import timedelta
@@ -241,7 +242,12 @@ def job_training(rank, world):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ctx = build_cp_context(torch.tensor(TRAIN_OFFSETS))
     history = train(ddp, TRAIN_STEPS, world, ctx)
-    return {"history": history, "parameters": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    result = {"history": history, "parameters": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    # DDP's reducer holds the process group and sits in reference cycles: free it now, not during the
+    # interpreter's shutdown after destroy_process_group, where gloo's threads were seen to abort.
+    del ddp
+    gc.collect()
+    return result
 
 
 JOBS = {"parity": job_parity, "errors": job_errors, "training": job_training}
@@ -265,6 +271,7 @@ def _main(rank, world, job, directory):
     except Exception:
         result = {"crashed": traceback.format_exc()}
     torch.save(result, directory / f"{job}-{rank}.pt")
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 
