@@ -30,12 +30,16 @@ does 3.0x the forward's FLOPs).
   runs its local forward from its true entering state. The critical path of the forward is
       T / W * (F(V + K) + F(V)) + (W - 1) * 2 K^2 V   per head,
   against T * F(V) unsplit: at K = V the forward alone gains W / 3 (two segments are slower than one,
-  0.67x). The backward adds, on a rank whose only sequence continues both ways, an extra local
-  backward for delta (the entering state's gradient from its own outputs), then the local backward,
-  and the chaining of gradients back (another (W - 1) * 2 K^2 V):
-      T / W * (F(V + K) + F(V) + 2 B) + 2 (W - 1) * 2 K^2 V   against   T * (F(V) + B),
-  at K = V about 0.44 W for forward+backward. The exchange adds the all-gathers: HV K (K + V) fp32
-  values per rank forward, HV K V backward, plus a status of 11 int64s before each call.
+  0.67x). The backward adds, on a rank whose only sequence continues both ways, delta (the entering
+  state's gradient from its own outputs) before its local backward: the adjoint sum_t R_t dO_t^T of
+  the readout R_t = scale M_t^T q_t that its forward's transition returned (docs/math.md), 2 K V
+  FLOPs per token and head (one GEMM; the readout costs T / W * HV * K fp32 values of memory from
+  the forward to the backward), then the local backward, and the chaining of gradients back
+  (another (W - 1) * 2 K^2 V):
+      T / W * (F(V + K) + F(V) + B + 2 K V) + 2 (W - 1) * 2 K^2 V   against   T * (F(V) + B),
+  at K = V about 0.64 W for forward+backward (0.44 W when delta took an extra local backward). The
+  exchange adds the all-gathers: HV K (K + V) fp32 values per rank forward, HV K V backward, plus a
+  status of 11 int64s before each call.
 Part 2 fills the model with this machine's measured per-token times (F(V), F(V + K) and B from the
 one-process run and the transition timing, the chain from the measured chaining, the exchange from
 the measured all-gather time per byte) to predict 8 and 64 ranks.
@@ -242,7 +246,10 @@ def part_cp(args):
         n = T / world
         t = n * (f_trans + f_local) + (world - 1) * chain + (world - 1) * H * K * (K + V) * 4 * per_byte
         if mode == "fwdbwd":
-            t += n * 2 * b_local + (world - 1) * chain + (world - 1) * H * K * V * 4 * per_byte
+            # the adjoint GEMM for delta: 2 K V FLOPs per token and head, costed at the forward's
+            # FLOP rate (an upper bound: a GEMM runs faster than the recurrence)
+            adjoint = f_local * 2 / 7
+            t += n * (b_local + adjoint) + (world - 1) * chain + (world - 1) * H * K * V * 4 * per_byte
         return t
 
     print("\n| ranks | model forward speedup | model forward+backward speedup |")

@@ -1,9 +1,11 @@
 // Segment transitions (context parallelism): the map S_out = M S_in + S_local a sequence applies to
 // its entering state, against the float64 oracle run from a random entering state, in every gate
-// regime and both gate widths; M's norm bound; chaining two halves of a sequence; bad arguments.
+// regime and both gate widths; M's norm bound; the readout's adjoint sum_t R_t dO_t^T against the
+// oracle's entering-state gradient; chaining two halves of a sequence; bad arguments.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <vector>
 
 #include "kda/kda.h"
@@ -13,17 +15,49 @@ namespace kda::test {
 namespace {
 
 struct Transition {
-  std::vector<float> M, S_local;
+  std::vector<float> M, S_local, readout;  // readout: empty unless asked for
 };
 
-Transition transition_of(const Data& d, int64_t sequence, const RunOptions& opt = {}) {
+// Sequence `sequence`'s batch row, first token and length.
+struct Span {
+  int64_t b, first, length;
+};
+Span span_of(const Data& d, int64_t sequence) {
+  if (d.cu.empty()) return {sequence, 0, d.c.T};
+  const auto n = static_cast<size_t>(sequence);
+  return {0, d.cu[n], d.cu[n + 1] - d.cu[n]};
+}
+
+Transition transition_of(const Data& d, int64_t sequence, const RunOptions& opt = {}, bool readout = false) {
   const Case& c = d.c;
   Transition t{std::vector<float>(static_cast<size_t>(c.HV * c.K * c.K), NAN),
-               std::vector<float>(static_cast<size_t>(c.HV * c.K * c.V), NAN)};
+               std::vector<float>(static_cast<size_t>(c.HV * c.K * c.V), NAN),
+               {}};
+  if (readout) t.readout.assign(static_cast<size_t>(span_of(d, sequence).length * c.HV * c.K), NAN);
   ForwardInputs in = d.inputs();
   in.initial_state = nullptr;
-  segment_transition(prepare(d.problem()), in, sequence, t.M.data(), t.S_local.data(), opt);
+  segment_transition(prepare(d.problem()), in, sequence, t.M.data(), t.S_local.data(),
+                     readout ? t.readout.data() : nullptr, opt);
   return t;
+}
+
+// The adjoint from the readout, in double: dS_in = sum_t R_t dO_t^T per value head, for sequence
+// `sequence`'s output gradients, in the problem's state layout ([HV, state]).
+std::vector<double> adjoint(const Data& d, int64_t sequence, const Transition& t, const Tensor& d_o) {
+  const Case& c = d.c;
+  const int64_t K = c.K, V = c.V;
+  const bool vf = c.layout == StateLayout::v_first;
+  const Span s = span_of(d, sequence);
+  std::vector<double> out(static_cast<size_t>(c.HV * K * V), 0.0);
+  for (int64_t tok = 0; tok < s.length; ++tok)
+    for (int64_t hv = 0; hv < c.HV; ++hv)
+      for (int64_t i = 0; i < K; ++i) {
+        const double r = t.readout[static_cast<size_t>((tok * c.HV + hv) * K + i)];
+        for (int64_t j = 0; j < V; ++j)
+          out[static_cast<size_t>(hv * K * V + (vf ? j * K + i : i * V + j))] +=
+              r * d_o.get(s.b, s.first + tok, hv, j);
+      }
+  return out;
 }
 
 // M S_in + S_local in double, for the [HV, state] entering state S_in of the problem's layout.
@@ -100,6 +134,34 @@ TEST_P(SegmentTransition, AgainstTheOracle) {
   EXPECT_EQ(t.S_local, t2.S_local);
 }
 
+// The readout's adjoint against the oracle: for random output gradients and a zero final-state
+// gradient, sum_t R_t dO_t^T over the sequence's tokens is the oracle backward's gradient of the
+// state entering it. Asking for the readout changes nothing else, and it is bitwise the same on any
+// thread count.
+TEST_P(SegmentTransition, ReadoutGivesTheAdjoint) {
+  Data d;
+  make_data(GetParam(), d);
+  const Case& c = d.c;
+  const int64_t n = d.num_sequences() - 1;
+  Cotangents ct;
+  make_cotangents(d, false, c.seed, ct);
+  const reference::Gradients ref = oracle_backward(d, ct);
+  const Transition t = transition_of(d, n, {}, true);
+  ASSERT_TRUE(all_finite(t.readout));
+  const int64_t state = c.HV * c.K * c.V;
+  const std::vector<double> got = adjoint(d, n, t, ct.d_o);
+  const std::vector<double> want(ref.d_initial_state.begin() + n * state,
+                                 ref.d_initial_state.begin() + (n + 1) * state);
+  const double error = rel_rms(want, got);
+  if (verbose()) std::printf("%s: adjoint error %.3g\n", c.name().c_str(), error);
+  EXPECT_LE(error, tolerance("forward", DType::f32, "state"));
+  const Transition plain = transition_of(d, n);
+  EXPECT_EQ(t.M, plain.M);
+  EXPECT_EQ(t.S_local, plain.S_local);
+  const Transition t2 = transition_of(d, n, RunOptions{2}, true);
+  EXPECT_EQ(t.readout, t2.readout);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, SegmentTransition,
     ::testing::ValuesIn(sized_for_this_run(parse_cases({
@@ -113,6 +175,9 @@ INSTANTIATE_TEST_SUITE_P(
         "seed=3005",
         "T=100 HV=2 K=32 V=16 regime=strong lower_bound beta=sigmoid_x2 bf16 h0 seed=3006",
         "T=1 HV=1 K=8 V=8 per_head h0 seed=3007",
+        "T=91 H=2 HV=4 K=24 V=20 regime=spike h0 seed=3008",
+        // Two pieces of the augmented forward (320 tokens each at HV (V + K) = 12288 floats a row).
+        "T=400 H=16 HV=64 K=128 V=64 regime=strong v_first h0 seed=3009",
     }))),
     case_name);
 
@@ -157,20 +222,21 @@ TEST(SegmentTransitionChain, TwoHalvesMakeTheWhole) {
 TEST(SegmentTransitionErrors, NameTheArgumentAndWriteNothing) {
   Data d;
   make_data(parse_case("lengths=5,9 HV=2 K=8 V=8 h0 seed=3020"), d);
-  std::vector<float> M(2 * 8 * 8, 7.0f), S(2 * 8 * 8, 7.0f);
+  std::vector<float> M(2 * 8 * 8, 7.0f), S(2 * 8 * 8, 7.0f), R(9 * 2 * 8, 7.0f);
   ForwardInputs in = d.inputs();
   const Prepared p = prepare(d.problem());
-  expect_kda_error("initial_state", [&] { segment_transition(p, in, 0, M.data(), S.data()); });
+  expect_kda_error("initial_state", [&] { segment_transition(p, in, 0, M.data(), S.data(), R.data()); });
   in.initial_state = nullptr;
-  expect_kda_error("sequence", [&] { segment_transition(p, in, 2, M.data(), S.data()); });
-  expect_kda_error("sequence", [&] { segment_transition(p, in, -1, M.data(), S.data()); });
-  expect_kda_error("M", [&] { segment_transition(p, in, 0, nullptr, S.data()); });
-  expect_kda_error("S_local", [&] { segment_transition(p, in, 0, M.data(), nullptr); });
+  expect_kda_error("sequence", [&] { segment_transition(p, in, 2, M.data(), S.data(), R.data()); });
+  expect_kda_error("sequence", [&] { segment_transition(p, in, -1, M.data(), S.data(), R.data()); });
+  expect_kda_error("M", [&] { segment_transition(p, in, 0, nullptr, S.data(), R.data()); });
+  expect_kda_error("S_local", [&] { segment_transition(p, in, 0, M.data(), nullptr, R.data()); });
   ForwardInputs bad = in;
   bad.q.dim = 9;
-  expect_kda_error("q", [&] { segment_transition(p, bad, 0, M.data(), S.data()); });
+  expect_kda_error("q", [&] { segment_transition(p, bad, 0, M.data(), S.data(), R.data()); });
   for (float x : M) ASSERT_EQ(x, 7.0f);
   for (float x : S) ASSERT_EQ(x, 7.0f);
+  for (float x : R) ASSERT_EQ(x, 7.0f);
 }
 
 // The C ABI entry gives the C++ results.
@@ -197,10 +263,17 @@ TEST(SegmentTransitionCAbi, SameAsCpp) {
   };
   cin.q = view(in.q), cin.k = view(in.k), cin.v = view(in.v), cin.g = view(in.g), cin.beta = view(in.beta);
   std::vector<float> M(cpp.M.size()), S(cpp.S_local.size());
-  ASSERT_EQ(kda_segment_transition(&p, &cin, 0, M.data(), S.data(), nullptr), KDA_OK) << kda_last_error();
+  ASSERT_EQ(kda_segment_transition(&p, &cin, 0, M.data(), S.data(), nullptr, nullptr), KDA_OK)
+      << kda_last_error();
   EXPECT_EQ(M, cpp.M);
   EXPECT_EQ(S, cpp.S_local);
-  EXPECT_EQ(kda_segment_transition(&p, &cin, 3, M.data(), S.data(), nullptr), KDA_ERROR_INVALID_ARGUMENT);
+  const Transition with_readout = transition_of(d, 0, {}, true);
+  std::vector<float> R(with_readout.readout.size());
+  ASSERT_EQ(kda_segment_transition(&p, &cin, 0, M.data(), S.data(), R.data(), nullptr), KDA_OK)
+      << kda_last_error();
+  EXPECT_EQ(R, with_readout.readout);
+  EXPECT_EQ(kda_segment_transition(&p, &cin, 3, M.data(), S.data(), nullptr, nullptr),
+            KDA_ERROR_INVALID_ARGUMENT);
 }
 
 }  // namespace

@@ -327,9 +327,12 @@ KDA_API kda_status kda_decode(const kda_problem* p, const kda_decode_inputs* inp
 
 /* Context parallelism: the map sequence `sequence` applies to the state entering it,
  * S_out = M S_in + S_local per value head (kda::segment_transition): M [HV, K, K] (K-first terms),
- * S_local [HV, state] in the problem's layout. inputs->initial_state must be null. */
+ * S_local [HV, state] in the problem's layout; readout (may be NULL) [L, HV, K], L the sequence's
+ * length: R_t = scale M_t^T q_t, so that the entering state's gradient from the segment's output
+ * gradients dO [L, HV, V] is sum_t R_t dO_t^T per value head ([K, V]; V-first: its transpose).
+ * inputs->initial_state must be null. */
 KDA_API kda_status kda_segment_transition(const kda_problem* p, const kda_forward_inputs* inputs,
-                                          int64_t sequence, float* M, float* S_local,
+                                          int64_t sequence, float* M, float* S_local, float* readout,
                                           const kda_run_options* options);
 
 #ifdef __cplusplus

@@ -364,11 +364,18 @@ void decode(const Prepared& p, const DecodeInputs& in, const StatePool& pool, co
 // into segments (one per rank or thread): S_out = M S_in + S_local per value head, with
 //   M [HV, K, K]: S_out = M S_in in K-first terms (the product of the tokens' (I - beta k k^T) diag(e^g),
 //                 norm <= 1 for beta in [0, 2] and unit keys), and
-//   S_local [HV, state]: the state the segment leaves from zeros, in the problem's state layout.
-// in.initial_state and in.pooled_states must be null. Costs one forward at value width V + K.
+//   S_local [HV, state]: the state the segment leaves from zeros, in the problem's state layout;
+// and, unless `readout` is null, what the backward needs of the segment (its adjoint):
+//   readout [L, HV, K] fp32 (L = the sequence's length): R_t = scale M_t^T q_t, M_t the product up
+//                 to and including token t. The gradient of the entering state from the segment's
+//                 output gradients dO [L, HV, V] is then, per value head, the GEMM over the tokens
+//                 dS_in = sum_t R_t dO_t^T = R^T dO ([K, V]; for a V-first state, its transpose
+//                 dO^T R), which the caller runs: no backward pass.
+// in.initial_state and in.pooled_states must be null. Costs one forward at value width V + K (the
+// readout is that forward's output in the extra K columns, copied out).
 // docs/math.md, "Segment transitions", chains them.
 void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequence, float* M,
-                        float* S_local, const RunOptions& opt = {});
+                        float* S_local, float* readout = nullptr, const RunOptions& opt = {});
 
 }  // namespace kda
 

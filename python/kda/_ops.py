@@ -382,24 +382,29 @@ def engine_backward(path, *, options, **named):
     return PATHS[path].backward(*_BACKWARD.Args(**named, **options._asdict()))
 
 
-def segment_transition(problem, q, k, v, g, beta, A_log, dt_bias, sequence):
-    """(M [HV, K, K], S_local [*problem.state_shape]), fp32: what sequence `sequence` of the prepared
-    problem does to the state entering it, S_out = M S_in + S_local (K-first terms; docs/math.md,
-    "Segment transitions"). Not differentiated."""
+def segment_transition(problem, q, k, v, g, beta, A_log, dt_bias, sequence, *, readout_length=None):
+    """(M [HV, K, K], S_local [*problem.state_shape], R [L, HV, K] or None), fp32: what sequence
+    `sequence` of the prepared problem does to the state entering it, S_out = M S_in + S_local
+    (K-first terms; docs/math.md, "Segment transitions"), and, given the sequence's length L as
+    ``readout_length``, its adjoint R_t = scale M_t^T q_t: the entering state's gradient from the
+    sequence's output gradients d_o [L, HV, V] is ``einsum("thk,thv->hkv", R, d_o)`` (K-first). Not
+    differentiated."""
     hv, K = problem.state_shape[0], q.shape[3]
     M = torch.empty(hv, K, K, dtype=torch.float32)
     S_local = torch.empty(problem.state_shape, dtype=torch.float32)
+    R = None if readout_length is None else torch.empty(readout_length, hv, K, dtype=torch.float32)
     _engine.segment_transition(
         problem,
         *map(_to_dlpack, (q, k, v, g, beta)),
         sequence,
         _to_dlpack(M),
         _to_dlpack(S_local),
+        readout=None if R is None else _to_dlpack(R),
         A_log=_dl(A_log),
         dt_bias=_dl(dt_bias),
         num_threads=num_threads(),
     )
-    return M, S_local
+    return M, S_local, R
 
 
 # ---- serving: ops that update a state pool in place ----------------------------------------------

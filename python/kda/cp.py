@@ -25,7 +25,12 @@ local forward from it. Backward: a rank whose first sequence came from earlier r
 ``delta``, the gradient of that sequence's entering state from its own outputs alone; the ranks
 all-gather these; the gradient of the state leaving rank r's last sequence is chained back over the
 later ranks of the sequence, ``G_r = M_{r+1}^T G_{r+1} + delta_{r+1}``, and the ordinary local
-backward runs with it as the final state's gradient.
+backward runs with it as the final state's gradient. When that first sequence ends on the rank,
+``delta`` comes from its own backward (the local backward's first piece, which needs no ``G``).
+A "middle" rank, whose only sequence runs over both its ends, needs ``delta`` before its backward
+can start (``G`` must come first); its forward's transition then also returns the readout
+``R_t = scale M_t^T q_t`` (``T * HV * K`` fp32 values kept for the backward), and
+``delta = sum_t R_t dO_t^T``, one batched matrix product, replaces an extra local backward.
 
 Restrictions (fla-core 0.6.0's, with its exception types): B = 1 varlen; ``initial_state`` and
 ``output_final_state`` are refused (``AssertionError``); the contiguous layout only. Every rank of the
@@ -242,7 +247,8 @@ _STATS = None
 def profile():
     """Collects, over the CP calls inside the block, the seconds spent in the segment transitions
     (``transition``), the status and data all-gathers (``exchange``), the chaining (``chain``), the
-    local forward and backward passes (``local``), and the bytes received (``bytes``)."""
+    local forward and backward passes and a middle rank's ``delta = R^T dO`` (``local``), and the
+    bytes received (``bytes``)."""
     global _STATS
     previous, _STATS = _STATS, dict(transition=0.0, exchange=0.0, chain=0.0, local=0.0, bytes=0)
     try:
@@ -505,9 +511,14 @@ class Call:
             problem = _ops.prepare(q, v, g, options)
             self.facts[5] = int(grad)
             if c.continues_into_next:
+                # A middle rank (its only sequence continues both ways) recording a gradient keeps
+                # the readout R for its backward's delta (_Parallel.backward).
+                last = problem.num_sequences - 1
+                middle = grad and c.continues_from_previous and last == 0
+                length = q.shape[1] if middle else None
                 with torch.no_grad(), _timed("transition"):
                     transition = _ops.segment_transition(
-                        problem, q, k, v, g, beta, A_log, dt_bias, problem.num_sequences - 1
+                        problem, q, k, v, g, beta, A_log, dt_bias, last, readout_length=length
                     )
         except Exception as error:
             self.exchange(error)
@@ -521,10 +532,13 @@ class Call:
 
 
 class _Plan:
-    """What a CP call's forward and backward share: the context, the problem options, the maps."""
+    """What a CP call's forward and backward share: the context, the problem options, the maps, and
+    on a middle rank the readout R [T, HV, K] of its transition (the adjoint: delta = R^T dO)."""
 
     def __init__(self, call, options, problem, transition):
-        self.call, self.options, self.problem, self.transition = call, options, problem, transition
+        self.call, self.options, self.problem = call, options, problem
+        self.transition = None if transition is None else transition[:2]
+        self.readout = None if transition is None else transition[2]
         self.context = call.context
         self.HV, self.S = problem.state_shape[0], problem.state_shape[1:]  # (K, V), K-first
         self.any_crossing = any(self.context.crossing)
@@ -612,15 +626,18 @@ class _Parallel(torch.autograd.Function):
         n, T = len(cu) - 1, cu[-1]
         # The first sequence, when it began on an earlier rank, gives delta: the gradient of its
         # entering state from this rank's outputs alone. When it is not also a sequence that runs on
-        # into the next rank, that backward is its final one; otherwise it is an extra pass.
+        # into the next rank, that backward is its final one; otherwise (a middle rank) delta is the
+        # adjoint of the forward's transition, sum_t R_t dO_t^T per value head (K-first).
         first_alone = c.continues_from_previous and not (n == 1 and c.continues_into_next)
         pieces, delta = [], None
-        if c.continues_from_previous:
-            end = cu[1] if first_alone else T
-            grads = _backward(plan, (q, k, v, g, beta, d_o), A_log, dt_bias, h0, chunks, 0, end, None, True)
+        if first_alone:
+            grads = _backward(plan, (q, k, v, g, beta, d_o), A_log, dt_bias, h0, chunks, 0, cu[1], None, True)
             delta = grads[5][0]
-            if first_alone:
-                pieces.append(grads)
+            pieces.append(grads)
+        elif c.continues_from_previous:
+            with _timed("local"):
+                R = plan.readout.permute(1, 2, 0)  # [HV, K, T]
+                delta = torch.bmm(R, d_o[0].transpose(0, 1).to(torch.float32))  # [HV, K, V]
         G = plan.leaving_gradient(delta)
         start = cu[1] if first_alone else 0
         if start < T:

@@ -422,19 +422,27 @@ void decode_entry(const kda::Prepared& p, const InArray& q, const InArray& k, co
 }
 
 // The map sequence `sequence` of the problem applies to the state entering it (context parallelism):
-// S_out = M S_in + S_local, M [HV, K, K] in K-first terms, S_local [HV, state] in the problem's layout.
+// S_out = M S_in + S_local, M [HV, K, K] in K-first terms, S_local [HV, state] in the problem's layout;
+// readout (optional) [L, HV, K], R_t = scale M_t^T q_t, the adjoint: dS_in = sum_t R_t dO_t^T.
 void segment_transition_entry(const kda::Prepared& p, const InArray& q, const InArray& k, const InArray& v,
                               const InArray& g, const InArray& beta, int64_t sequence, const OutArray& M,
-                              const OutArray& S_local, const OptIn& A_log, const OptIn& dt_bias,
-                              int num_threads) {
+                              const OutArray& S_local, const OptOut& readout, const OptIn& A_log,
+                              const OptIn& dt_bias, int num_threads) {
   const SideShapes s(p);
   const kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, std::nullopt);
   const kda::Problem& pr = p.problem();
   const std::vector<int64_t> one_state(s.state.begin() + 1, s.state.end());
   float* m = packed_out("M", M, {pr.value_heads, pr.key_dim, pr.key_dim});
   float* local = packed_out("S_local", S_local, one_state);
+  // The readout's shape needs the sequence's length; a sequence out of range is the call's error.
+  float* r = nullptr;
+  if (sequence >= 0 && sequence < p.shapes().sequences) {
+    const auto seq = static_cast<size_t>(sequence);
+    const int64_t length = pr.cu_seqlens.empty() ? pr.seq_len : pr.cu_seqlens[seq + 1] - pr.cu_seqlens[seq];
+    r = packed_out("readout", readout, {length, pr.value_heads, pr.key_dim});
+  }
   nb::gil_scoped_release release;
-  kda::segment_transition(p, in, sequence, m, local, kda::RunOptions{num_threads});
+  kda::segment_transition(p, in, sequence, m, local, r, kda::RunOptions{num_threads});
 }
 
 // ---- the float64 oracle ------------------------------------------------------------------------
@@ -666,12 +674,14 @@ NB_MODULE(_engine, m) {
         "place; writes o.");
   m.def("segment_transition", &segment_transition_entry, nb::arg("problem"), nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("sequence"), nb::arg("M"), nb::arg("S_local"),
-        nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),
-        nb::arg("num_threads") = 0,
-        "(problem, q, k, v, g, beta, sequence, M, S_local, *, A_log, dt_bias, num_threads): what sequence "
-        "`sequence` does to the state entering it, S_out = M S_in + S_local per value head (context "
-        "parallelism); writes M [HV, K, K] (K-first terms) and S_local [*problem.state_shape] (the "
-        "problem's layout), fp32. The sequence is read from a zero state: no initial state.");
+        nb::kw_only(), nb::arg("readout").none() = nb::none(), nb::arg("A_log").none() = nb::none(),
+        nb::arg("dt_bias").none() = nb::none(), nb::arg("num_threads") = 0,
+        "(problem, q, k, v, g, beta, sequence, M, S_local, *, readout, A_log, dt_bias, num_threads): what "
+        "sequence `sequence` does to the state entering it, S_out = M S_in + S_local per value head "
+        "(context parallelism); writes M [HV, K, K] (K-first terms) and S_local [*problem.state_shape] "
+        "(the problem's layout), fp32; with readout [L, HV, K] (L the sequence's length, fp32) also "
+        "R_t = scale M_t^T q_t, whose product with the output gradients, sum_t R_t dO_t^T, is the entering "
+        "state's gradient. The sequence is read from a zero state: no initial state.");
   m.def("reference_forward", &reference_forward, KDA_FORWARD_ARGS,
         "The float64 oracle's forward: every array float64, any strides.");
   m.def("reference_backward", &reference_backward, KDA_BACKWARD_ARGS,

@@ -393,13 +393,13 @@ kda_status kda_recurrent_backward(const kda_problem* p, const kda_backward_input
 }
 
 kda_status kda_segment_transition(const kda_problem* p, const kda_forward_inputs* inputs, int64_t sequence,
-                                  float* M, float* S_local, const kda_run_options* options) {
+                                  float* M, float* S_local, float* readout, const kda_run_options* options) {
   constexpr const char* name = "kda_segment_transition";
   return guarded([&] {
     Call call(name);
     const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
     const kda::ForwardInputs& in = call.forward_inputs(inputs, "inputs");
-    kda::segment_transition(kda::prepare(problem), in, sequence, M, S_local, to_cpp(options, name));
+    kda::segment_transition(kda::prepare(problem), in, sequence, M, S_local, readout, to_cpp(options, name));
   });
 }
 

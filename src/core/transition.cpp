@@ -8,6 +8,10 @@
 // identity, see only the products A_t. The arithmetic is the kernels' own (each factor applied as the
 // kernels apply it), so M keeps the factors' norm bound. The segment runs in pieces of a bounded
 // number of tokens, each piece's augmented state entering the next.
+// The adjoint (the backward's map) is the same forward's output in the X columns, the readout
+// R_t = scale X_t^T q_t = scale M_t^T q_t (M_t = A_t ... A_1), handed out as [L, HV, K] fp32:
+//   o_t = scale S_t^T q_t with S_t = M_t S_in + (terms free of S_in), so o_t = R_t^T S_in + ...
+//   and dS_in = sum_t R_t dO_t^T (K-first [K, V] per value head): one GEMM, no backward pass.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -33,7 +37,7 @@ View from_token(View v, int64_t b, int64_t t) {
 }  // namespace
 
 void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequence, float* M,
-                        float* S_local, const RunOptions& opt) {
+                        float* S_local, float* readout, const RunOptions& opt) {
   const core::Plan& plan = p.plan();
   core::check_forward_inputs(plan, in);
   const int64_t N = plan.num_sequences();
@@ -87,6 +91,13 @@ void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequ
     sout.final_state = next.data();
     forward(Entry::chunk_forward, sub, sin, sout, opt);
     state.swap(next);
+    // The readout: the X columns of o, [token][HV][K].
+    if (readout != nullptr)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t hv = 0; hv < HV; ++hv) {
+          const float* row = o_aug.data() + (t * HV + hv) * W;
+          std::copy(row + V, row + W, readout + ((t0 + t) * HV + hv) * K);
+        }
   }
 
   // Split [S_local | M]: S_local into the problem's state layout, M as [HV][K][K].

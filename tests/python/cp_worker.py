@@ -61,6 +61,8 @@ CASES = {
         "aligned": _case([0, 80, 160, 200, 240, 320], regime="mild", K=16, V=16),
         "gdn_spans": _case([0, 250, 330, 384], GDN, regime="strong", K=16, V=16),
         "gdn_one_sequence": _case([0, 384], GDN, regime="unbounded", **KIMI, K=16, V=16),
+        # bf16 through the middle ranks' adjoint (delta from the readout and a bf16 d_o)
+        "bf16_spans": _case([0, 250, 330, 384], regime="spike", dtype=torch.bfloat16, K=16, V=16, seed=4),
     },
 }
 

@@ -6,7 +6,7 @@ import kda
 import numpy as np
 import pytest
 import torch
-from harness import Case, make_inputs
+from harness import Case, as_oracle, make_inputs, rel_rms, tolerance
 from kda import engine
 
 
@@ -190,3 +190,30 @@ def test_pooled_prefill_flags_are_one_per_sequence():
     assert (o == 7.0).all() and not pool.any()
     _run(engine.chunk_forward, a, o, pool=pool, pool_indices=slots, has_initial_state=np.array([True, False]))
     assert pool[3].any() and pool[1].any() and not pool[0].any()
+
+
+def test_segment_transition_readout_is_the_adjoint():
+    """The readout R [L, HV, K] of a varlen batch's last sequence (L from cu_seqlens): sum_t R_t dO_t^T
+    is the float64 oracle's gradient of the state entering that sequence; a readout of another shape
+    is refused, naming it, before anything is written."""
+    case = Case(
+        T=150, cu_seqlens=[0, 40, 150], H=1, HV=2, K=16, V=8, regime="spike", initial_state=True, seed=7
+    )
+    tensors, options = make_inputs(case)
+    q, k, v, g, beta = (tensors[n].numpy() for n in ("q", "k", "v", "g", "beta"))
+    p = engine.prepare(q, v, options["cu_seqlens"].numpy())
+    M, S = np.zeros((2, 16, 16), np.float32), np.zeros((2, 16, 8), np.float32)
+    wrong = np.full((150, 2, 16), 7.0, np.float32)
+    with pytest.raises(ValueError, match=r"'readout': expected shape \[110, 2, 16\]"):
+        engine.segment_transition(p, q, k, v, g, beta, 1, M, S, readout=wrong)
+    assert (wrong == 7.0).all() and not M.any() and not S.any()
+    R = np.zeros((110, 2, 16), np.float32)
+    engine.segment_transition(p, q, k, v, g, beta, 1, M, S, readout=R)
+
+    t64, o64 = as_oracle(tensors, options)
+    h0 = o64.pop("initial_state").requires_grad_()
+    o, _ = kda.chunk_kda(**t64, initial_state=h0, **o64)
+    d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (o * d_o).sum().backward()
+    got = torch.einsum("thk,thv->hkv", torch.from_numpy(R).double(), d_o[0, 40:])
+    assert rel_rms(got, h0.grad[1]) <= tolerance("forward", torch.float32, "state")
