@@ -109,6 +109,23 @@ def check_gate_width(g, per_head):
         raise ValueError(_gate_rank_message(per_head, g))
 
 
+def check_key_gate(gk, k, v):
+    """fused_recurrent_gated_delta_rule's ``gk``, KDA's gate ``[B, T, HV, K]`` (B, T, HV of v, K of k),
+    checked (device, rank, shape) before the call goes on to fused_recurrent_kda, whose messages name
+    its gate 'g'. A gate of the wrong shape raises the gated delta rule's exception type,
+    ``ValueError``; k and v of the wrong rank are left to fused_recurrent_kda's checks."""
+    check_cpu(("gk",), (gk,))
+    if gk.dim() != 4:
+        raise ValueError(
+            f"kda: 'gk' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
+            f"{list(gk.shape)}; a decay per head [B, T, HV] is passed as 'g'"
+        )
+    if v.dim() == 4 and k.dim() == 4:
+        shape = (*v.shape[:3], k.shape[3])
+        if gk.shape != shape:
+            raise ValueError(f"gk must have shape [B, T, HV, K]={list(shape)}, got {list(gk.shape)}")
+
+
 def check_varlen(q, initial_state, cu_seqlens):
     if cu_seqlens is None:
         return

@@ -21,6 +21,7 @@ from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
     check_gdn_tensors,
+    check_key_gate,
     fla_errors,
     gate_mode,
     reject_unknown,
@@ -205,7 +206,8 @@ def fused_recurrent_gated_delta_rule(
       ``use_gate_in_kernel`` needs ``g``, which kda does not take together with ``gk``);
     - neither: no decay (the plain delta rule).
 
-    ``g`` and ``gk`` together: ``ValueError``; ``gv`` (a decay per value channel):
+    ``gk`` of another shape or rank: ``ValueError`` naming it. ``g`` and ``gk`` together:
+    ``ValueError``; ``gv`` (a decay per value channel):
     ``NotImplementedError``. ``beta`` defaults to ones (no ``beta`` means a full update).
     ``initial_state`` of another float dtype is read as float32. Returns ``(o, final_state)``: ``o``
     in v's dtype, ``final_state`` float32 or None. Only ``transpose_state_layout`` is accepted through
@@ -231,6 +233,7 @@ def fused_recurrent_gated_delta_rule(
         beta = torch.ones(v.shape[:3], dtype=v.dtype)
     if gk is not None:
         # KDA's gate: fla applies A_log / dt_bias only to g, so gk is always a log decay here.
+        check_key_gate(gk, k, v)
         return fused_recurrent_kda(
             q,
             k,

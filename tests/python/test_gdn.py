@@ -348,6 +348,26 @@ def test_gv_and_two_gates_are_refused():
         kda.fused_recurrent_gated_delta_rule(**t, gk=gk, use_gate_in_kernel=True, A_log=torch.zeros(2))
 
 
+def test_a_malformed_gk_is_named_gk():
+    """gk goes on to fused_recurrent_kda, whose messages name its gate 'g': gk is checked first."""
+    tensors, _ = make_inputs(Case(B=2, T=10, H=1, HV=2, K=8, V=4, **GDN))
+    t = dict(tensors)
+    del t["g"]
+    bad = [
+        ("'gk' must be a 4-D tensor \\[B, T, HV, K\\]", torch.zeros(2, 10, 2)),  # the per-head gate
+        ("'gk' must be a 4-D tensor", torch.zeros(2, 10, 2, 8, 1)),
+        ("gk must have shape \\[B, T, HV, K\\]=\\[2, 10, 2, 8\\]", torch.zeros(2, 10, 2, 4)),  # K of v
+        ("gk must have shape", torch.zeros(2, 10, 1, 8)),
+        ("gk must have shape", torch.zeros(1, 10, 2, 8)),
+        ("gk must have shape", torch.zeros(2, 9, 2, 8)),
+    ]
+    for message, gk in bad:
+        with pytest.raises(ValueError, match=message):
+            kda.fused_recurrent_gated_delta_rule(**t, gk=gk)
+    with pytest.raises(NotImplementedError, match="'gk' is on meta"):
+        kda.fused_recurrent_gated_delta_rule(**t, gk=torch.zeros(2, 10, 2, 8, device="meta"))
+
+
 def test_short_names_and_chunk_size():
     assert kda.chunk_gdn is kda.chunk_gated_delta_rule
     assert kda.fused_recurrent_gdn is kda.fused_recurrent_gated_delta_rule
