@@ -24,13 +24,19 @@ this way: call ``kda.fused_recurrent_gated_delta_rule``.
 installed; ``register()`` raises ``ImportError`` otherwise.
 """
 
+import inspect
+
 import torch
+
+from . import functional, gated_delta_rule, serving
 
 __all__ = ["BACKEND_TYPE", "register", "registered", "unregister"]
 
 BACKEND_TYPE = "kda_cpu"
 # fla's operation registries kda joins (besides chunk_kda's function registry).
 _OPERATIONS = ("kda", "gated_delta_rule")
+_SERVING_SIGNATURE = inspect.signature(serving.fused_recurrent_kda_fwd)
+_RECURRENT_PARAMETERS = frozenset(inspect.signature(functional.fused_recurrent_kda).parameters)
 
 
 def _tensors(args, kwargs):
@@ -52,8 +58,6 @@ def cpu_only(*args, **kwargs):
 def _backend_class():
     from fla.backends import BaseBackend
 
-    from . import functional, gated_delta_rule, serving
-
     class KdaCpuBackend(BaseBackend):
         """kda's engine for fla's dispatched entry points on CPU tensors."""
 
@@ -68,81 +72,49 @@ def _backend_class():
         def chunk_gated_delta_rule(self, *args, **kwargs):
             return gated_delta_rule.chunk_gated_delta_rule(*args, **kwargs)
 
-        def fused_recurrent_kda_fwd(
-            self,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            A_log=None,
-            dt_bias=None,
-            initial_state=None,
-            scale=None,
-            output_final_state=False,
-            inplace_final_state=True,
-            state_v_first=False,
-            cu_seqlens=None,
-            ssm_state_indices=None,
-            num_accepted_tokens=None,
-            use_qk_l2norm_in_kernel=False,
-            use_gate_in_kernel=False,
-            use_beta_sigmoid_in_kernel=False,
-            allow_neg_eigval=False,
-            lower_bound=None,
-            out=None,
-            **kwargs,
-        ):
-            options = dict(
-                A_log=A_log,
-                dt_bias=dt_bias,
-                scale=scale,
-                initial_state=initial_state,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                allow_neg_eigval=allow_neg_eigval,
-                lower_bound=lower_bound,
-                state_v_first=state_v_first,
-                cu_seqlens=cu_seqlens,
-                **kwargs,
-            )
-            if (
-                ssm_state_indices is None
-                and num_accepted_tokens is None
-                and not inplace_final_state
-                and out is None
-            ):
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            fresh = _fresh_state_call(args, kwargs)
+            if fresh is not None:
                 # What fla's fused_recurrent_kda asks for: a fresh final state. kda's differentiable
                 # function answers it (the serving entry records no gradient).
-                return functional.fused_recurrent_kda(q, k, v, g, beta, **options)
-            return serving.fused_recurrent_kda_fwd(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                inplace_final_state=inplace_final_state,
-                ssm_state_indices=ssm_state_indices,
-                num_accepted_tokens=num_accepted_tokens,
-                out=out,
-                **options,
-            )
+                return functional.fused_recurrent_kda(**fresh)
+            return serving.fused_recurrent_kda_fwd(*args, **kwargs)
 
     return KdaCpuBackend
+
+
+def _fresh_state_call(args, kwargs):
+    """The arguments by name of ``kda.fused_recurrent_kda`` for a ``fused_recurrent_kda_fwd`` call that
+    asks for no pool, no in-place update and no ``out`` (fla's ``fused_recurrent_kda`` makes such
+    calls), else None. The call is bound to ``kda.serving.fused_recurrent_kda_fwd``'s own signature
+    (which has fla's), so its parameters are spelled once; a call that does not bind is left to that
+    function, which raises Python's error for it."""
+    try:
+        bound = _SERVING_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    if (
+        a["ssm_state_indices"] is not None
+        or a["num_accepted_tokens"] is not None
+        or a["inplace_final_state"]
+        or a["out"] is not None
+    ):
+        return None
+    # (fused_recurrent_kda takes every other parameter: the four above are the serving entry's own)
+    named = {n: value for n, value in a.items() if n in _RECURRENT_PARAMETERS and n != "kwargs"}
+    return {**named, **a["kwargs"]}
 
 
 def _registries():
     """fla's registries kda joins: the one of fla.ops.kda.chunk_kda (a function registry) and those of
     the operations 'kda' and 'gated_delta_rule'."""
-    from inspect import unwrap
-
     import fla.backends as backends
     import fla.ops.gated_delta_rule  # noqa: F401  (defines the dispatched functions)
     import fla.ops.kda as fla_kda
 
-    registries = [backends._function_registries[unwrap(fla_kda.chunk_kda)]]
+    registries = [backends._function_registries[inspect.unwrap(fla_kda.chunk_kda)]]
     registries += [backends._get_operation_registry(name) for name in _OPERATIONS]
     return registries
 

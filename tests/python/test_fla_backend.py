@@ -107,3 +107,30 @@ def test_without_registration_fla_is_untouched():
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="active drivers"):
         warnings.simplefilter("ignore")
         fla_gdn.chunk_gated_delta_rule(**tensors, **options)
+
+
+def test_fused_recurrent_kda_fwd_calls_bind_to_the_serving_signature():
+    backend = fla_backend._backend_class()()
+    tensors, options = make_inputs(Case(T=6, H=1, HV=2, K=8, V=8, regime="unbounded", **KIMI))
+    q, k, v, g, beta = (tensors[n] for n in ("q", "k", "v", "g", "beta"))
+    h0, scale = options.pop("initial_state"), options.pop("scale")
+    A_log, dt_bias = options.pop("A_log"), options.pop("dt_bias")
+    o_ref, s_ref = kda.fused_recurrent_kda(
+        q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state=True, **options
+    )
+    # Positional up to inplace_final_state=False: a fresh state, from kda's differentiable function.
+    start = h0.clone()
+    o, s = backend.fused_recurrent_kda_fwd(
+        q, k, v, g, beta, A_log, dt_bias, h0, scale, True, False, **options
+    )
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref) and torch.equal(h0, start)
+    # inplace_final_state's default: the serving entry updates initial_state in place.
+    with torch.no_grad():
+        o, s = backend.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, h0, scale=scale, **options)
+    # (the decode kernel, not the recurrent forward: the same results to rounding)
+    assert s is h0 and torch.allclose(o, o_ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(h0, s_ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="beta"):  # Python's own error, from the serving entry
+        backend.fused_recurrent_kda_fwd(q, k, v, g)
+    with pytest.raises(TypeError, match="'bogus'"):
+        backend.fused_recurrent_kda_fwd(q, k, v, g, beta, inplace_final_state=False, bogus=1)
