@@ -44,10 +44,11 @@ def check_cpu(names, tensors):
             )
 
 
-def check_shapes(q, k, v, g, beta, per_head=False):
-    """fla's shape checks (the same exception types), plus what the engine supports. ``per_head``: the
-    gated delta rule's gate g [B, T, HV] (fla's GDN functions raise ValueError where its KDA ones
-    assert); else KDA's g [B, T, HV, K]."""
+def check_shapes(q, k, v, g, beta, gate_width="per_key"):
+    """fla's shape checks (the same exception types), plus what the engine supports. ``gate_width``
+    (the problem option): "per_key", KDA's g [B, T, HV, K], or "per_head", the gated delta rule's
+    g [B, T, HV] (fla's GDN functions raise ValueError where its KDA ones assert)."""
+    per_head = gate_width == "per_head"
     gate_rank = 3 if per_head else 4
     for name, t, rank in zip(NAMES[:4], (q, k, v, g), (4, 4, 4, gate_rank), strict=True):
         if t.dim() != rank:
@@ -102,13 +103,6 @@ def _gate_rank_message(per_head, g):
     )
 
 
-def check_gate_width(g, per_head):
-    """The cheap check every call makes before the engine, which would read a g of either rank as the
-    gate width it has: KDA's functions take g [B, T, HV, K], the gated delta rule's g [B, T, HV]."""
-    if (g.dim() == 3) is not per_head:
-        raise ValueError(_gate_rank_message(per_head, g))
-
-
 def check_key_gate(gk, k, v):
     """fused_recurrent_gated_delta_rule's ``gk``, KDA's gate ``[B, T, HV, K]`` (B, T, HV of v, K of k),
     checked (device, rank, shape) before the call goes on to fused_recurrent_kda, whose messages name
@@ -147,17 +141,17 @@ def check_varlen(q, initial_state, cu_seqlens):
         )
 
 
-def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, per_head=False):
+def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_key"):
     """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
     messages and exception types."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, initial_state, cu_seqlens)
-    check_shapes(q, k, v, g, beta, per_head)
+    check_shapes(q, k, v, g, beta, gate_width)
 
 
 def check_gdn_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
     """check_tensors for the gated delta rule's functions (g [B, T, HV])."""
-    check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, per_head=True)
+    check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_head")
 
 
 def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function):

@@ -25,7 +25,6 @@ from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
-    check_gate_width,
     check_tensors,
     fla_errors,
     gate_mode,
@@ -43,8 +42,19 @@ _CHUNK_KWARGS = frozenset(
 )
 
 
-def _problem(cu_seqlens, scale, state_v_first, qk_l2norm, gate, lower_bound, beta_sigmoid, allow_neg_eigval):
-    """The problem options (``_ops.problem_options``' names) of fla's flags, shared by both drop-ins."""
+def _problem(
+    cu_seqlens,
+    scale,
+    state_v_first,
+    qk_l2norm,
+    gate,
+    lower_bound,
+    beta_sigmoid,
+    allow_neg_eigval,
+    gate_width="per_key",
+):
+    """The problem options (``_ops.problem_options``' names) of fla's flags, shared by both drop-ins;
+    ``gate_width`` is "per_head" for the gated delta rule's functions."""
     return dict(
         cu_seqlens=cu_seqlens,
         scale=scale,
@@ -53,6 +63,7 @@ def _problem(cu_seqlens, scale, state_v_first, qk_l2norm, gate, lower_bound, bet
         gate=gate,
         gate_lower_bound=lower_bound,
         beta_mode=beta_mode_of(beta_sigmoid, allow_neg_eigval),
+        gate_width=gate_width,
     )
 
 
@@ -70,15 +81,13 @@ def _run(
     initial_state,
     output_final_state,
     want_chunk_states,
-    per_head=False,
     cp=None,
 ):
     """One engine call through the custom ops (``problem``: the problem options by name, see
     ``_ops.problem_options``): returns (o, final_state, chunk_states) in the engine's dtypes (o in v's
-    compute dtype); final_state / chunk_states are None when not asked for. ``per_head``: the gated
-    delta rule's gate g [B, T, HV] (the engine reads the width from g's rank; this says which the
-    caller's function takes). ``cp``: a context-parallel call (``kda.cp.Call``), which runs it."""
-    check_gate_width(g, per_head)
+    compute dtype); final_state / chunk_states are None when not asked for. The problem's gate width
+    says which g the caller's function takes; the engine refuses a g of the other rank. ``cp``: a
+    context-parallel call (``kda.cp.Call``), which runs it."""
     options = _ops.problem_options(q, **problem)
     (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
     if state_dtype == torch.float64:

@@ -1,8 +1,8 @@
 """flash-linear-attention's gated delta rule (Gated DeltaNet, GDN) functions, on kda's engine on the CPU.
 
 The gated delta rule is KDA with one log decay per token and value head (``g [B, T, HV]``) instead of
-one per key channel: the state decays as a whole. kda computes it as a problem of its own (gate
-width ``per_head``), with kernels for the scalar gate, forward and backward.
+one per key channel: the state decays as a whole. kda computes it as a problem of its own (the
+problem option ``gate_width="per_head"``), with kernels for the scalar gate, forward and backward.
 
 ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` take the arguments of fla-core
 0.6.0's functions of the same names, with the same defaults, returns and exception types where fla
@@ -133,6 +133,7 @@ def chunk_gated_delta_rule(
         None,
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
+        gate_width="per_head",
     )
     if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
         return pooled_prefill(
@@ -147,7 +148,6 @@ def chunk_gated_delta_rule(
             problem,
             A_log=A_log,
             dt_bias=dt_bias,
-            per_head=True,
         )
 
     out_dtype = q.dtype
@@ -165,7 +165,6 @@ def chunk_gated_delta_rule(
             initial_state=initial_state,
             output_final_state=output_final_state,
             want_chunk_states=False,
-            per_head=True,
             cp=cp_context,
         )
     return (o if o.dtype == out_dtype else o.to(out_dtype)), final
@@ -261,6 +260,7 @@ def fused_recurrent_gated_delta_rule(
         None,
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
+        gate_width="per_head",
     )
     out_dtype = v.dtype
     with fla_errors(check_gdn_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
@@ -277,7 +277,6 @@ def fused_recurrent_gated_delta_rule(
             initial_state=initial_state,
             output_final_state=output_final_state,
             want_chunk_states=False,
-            per_head=True,
         )
     return (o if o.dtype == out_dtype else o.to(out_dtype)), final
 

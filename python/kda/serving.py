@@ -16,7 +16,6 @@ from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
     check_cpu,
-    check_gate_width,
     check_shapes,
     check_varlen,
     gate_mode,
@@ -53,13 +52,14 @@ def _serving_checks(
     initial_state,
     cu_seqlens,
     indices=(None, None),
-    per_head=False,
+    gate_width="per_key",
 ):
     """fla-style checks of a serving call (run as _arguments.fla_errors runs them: after the engine
-    refused the call). ``per_head``: the gated delta rule's gate g [B, T, HV]."""
+    refused the call). ``gate_width``: the call's problem option ("per_head": the gated delta rule's
+    g [B, T, HV])."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, None, cu_seqlens)
-    check_shapes(q, k, v, g, beta, per_head)
+    check_shapes(q, k, v, g, beta, gate_width)
     for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
         _index_tensor(name, t)
     acts = (q, k, v, g, beta)
@@ -101,13 +101,14 @@ def pooled_prefill(
     A_log,
     dt_bias,
     path="chunk",
-    per_head=False,
 ):
-    """chunk_kda (or, with ``per_head``, chunk_gated_delta_rule) on a state pool, once its options are
-    resolved (``problem``: the problem options by name, see ``_ops.problem_options``): sequence n
-    starts from slot ``indices[n]`` (zeros where ``has_initial_state[n]`` is False or the index is
-    negative) and its final state is written back there. Returns (o, pool)."""
-    function = "chunk_gated_delta_rule (pooled)" if per_head else "chunk_kda (pooled)"
+    """chunk_kda (or, with the problem's gate width "per_head", chunk_gated_delta_rule) on a state
+    pool, once its options are resolved (``problem``: the problem options by name, see
+    ``_ops.problem_options``): sequence n starts from slot ``indices[n]`` (zeros where
+    ``has_initial_state[n]`` is False or the index is negative) and its final state is written back
+    there. Returns (o, pool)."""
+    gate_width = problem["gate_width"]
+    function = "chunk_gated_delta_rule (pooled)" if gate_width == "per_head" else "chunk_kda (pooled)"
     if pool is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
     if indices is None:
@@ -115,7 +116,7 @@ def pooled_prefill(
     out_dtype = q.dtype
     cu_seqlens = problem.get("cu_seqlens")
     _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, pool))
-    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, per_head=per_head)
+    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, gate_width=gate_width)
     options = _ops.problem_options(q, **problem)
     q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
     if options.gate == "lower_bound" and A_log is None:
@@ -200,7 +201,7 @@ def fused_recurrent_kda_fwd(
     reject_unknown("fused_recurrent_kda_fwd", kwargs, RECURRENT_KWARGS)
     return _serve(
         "fused_recurrent_kda_fwd",
-        per_head=False,
+        gate_width="per_key",
         q=q,
         k=k,
         v=v,
@@ -260,7 +261,7 @@ def fused_recurrent_gdn_fwd(
     reject_unknown("fused_recurrent_gdn_fwd", kwargs, RECURRENT_KWARGS)
     return _serve(
         "fused_recurrent_gdn_fwd",
-        per_head=True,
+        gate_width="per_head",
         q=q,
         k=k,
         v=v,
@@ -288,7 +289,7 @@ def fused_recurrent_gdn_fwd(
 def _serve(
     function,
     *,
-    per_head,
+    gate_width,
     q,
     k,
     v,
@@ -311,7 +312,8 @@ def _serve(
     lower_bound,
     out,
 ):
-    """The serving decode of both gate widths (``per_head``: the gated delta rule's g [B, T, HV])."""
+    """The serving decode of both gate widths (the problem option ``gate_width``: "per_key", KDA's
+    g [B, T, HV, K], or "per_head", the gated delta rule's g [B, T, HV])."""
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function)
     if gate == "log_decay":
         A_log = dt_bias = None
@@ -334,7 +336,7 @@ def _serve(
         initial_state,
         cu_seqlens,
         (ssm_state_indices, num_accepted_tokens),
-        per_head,
+        gate_width,
     )
 
     # The engine validates every argument before it writes anything; fla's checks run only when it
@@ -343,7 +345,6 @@ def _serve(
     if torch.compiler.is_compiling():
         _serving_checks(function, *checked)
     try:
-        check_gate_width(g, per_head)  # the engine would take a g of either rank
         return _decode(
             plain,
             q,
@@ -361,6 +362,7 @@ def _serve(
                 gate=gate,
                 gate_lower_bound=float(-5.0 if lower_bound is None else lower_bound),
                 beta_mode=beta_mode,
+                gate_width=gate_width,  # the engine refuses a g of the other width's rank
             ),
             A_log,
             dt_bias,

@@ -479,6 +479,7 @@ def _op_args(case, requires_grad, keep, dtype=None):
         qk_l2norm=bool(options.get("use_qk_l2norm_in_kernel")),
         gate=gate,
         beta_mode=beta_mode,
+        gate_width="per_head",
     )
     return (
         t["q"],
