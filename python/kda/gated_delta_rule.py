@@ -22,12 +22,12 @@ from ._arguments import (
     RECURRENT_KWARGS,
     check_gdn_tensors,
     check_key_gate,
-    fla_errors,
     gate_mode,
     reject_unknown,
     state_v_first_of,
 )
-from .functional import _problem, _run, fused_recurrent_kda
+from ._compute import problem_of, run
+from .functional import fused_recurrent_kda
 from .serving import pooled_prefill
 
 __all__ = [
@@ -124,7 +124,7 @@ def chunk_gated_delta_rule(
         cu_seqlens = cp_context.begin(
             check_gdn_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
-    problem = _problem(
+    problem = problem_of(
         cu_seqlens,
         scale,
         state_v_first,
@@ -149,25 +149,22 @@ def chunk_gated_delta_rule(
             A_log=A_log,
             dt_bias=dt_bias,
         )
-
-    out_dtype = q.dtype
-    with fla_errors(check_gdn_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        o, final, _ = _run(
-            "chunk",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            want_chunk_states=False,
-            cp=cp_context,
-        )
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final
+    o, final, _ = run(
+        "chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        problem,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        out_dtype=q.dtype,
+        cp=cp_context,
+    )
+    return o, final
 
 
 def fused_recurrent_gated_delta_rule(
@@ -251,7 +248,7 @@ def fused_recurrent_gated_delta_rule(
     if g is None:  # no decay
         g = torch.zeros(v.shape[:3], dtype=v.dtype if v.dtype.is_floating_point else torch.float32)
     gate, A_log, dt_bias = _gdn_gate(use_gate_in_kernel, A_log, dt_bias, "fused_recurrent_gated_delta_rule")
-    problem = _problem(
+    problem = problem_of(
         cu_seqlens,
         scale,
         state_v_first,
@@ -262,23 +259,21 @@ def fused_recurrent_gated_delta_rule(
         allow_neg_eigval,
         gate_width="per_head",
     )
-    out_dtype = v.dtype
-    with fla_errors(check_gdn_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        o, final, _ = _run(
-            "recurrent",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            want_chunk_states=False,
-        )
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final
+    o, final, _ = run(
+        "recurrent",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        problem,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        out_dtype=v.dtype,
+    )
+    return o, final
 
 
 # fla's short names.
