@@ -154,22 +154,24 @@ def check_gdn_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bia
     check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_head")
 
 
-def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function):
-    """The engine's gate mode for fla's gate arguments."""
+def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function, stacklevel=3):
+    """The engine's gate mode for fla's gate arguments. Its UserWarnings (a gate argument that is not
+    applied) name the line that called the public function: ``stacklevel`` 3 when that function calls
+    gate_mode itself, one more per frame in between."""
     if not use_gate_in_kernel:
         if A_log is not None or dt_bias is not None:
             warnings.warn(
                 f"{function}: A_log and dt_bias are only used with use_gate_in_kernel=True; g is taken as "
                 "the log decay and they are not applied",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         if lower_bound is not None and not safe_gate:
             warnings.warn(
                 f"{function}: lower_bound is only used with use_gate_in_kernel=True (or to describe bounded "
                 "gates with safe_gate=True); it is not applied",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return "log_decay"
     if A_log is None and lower_bound is None:

@@ -51,14 +51,6 @@ _CHUNK_KWARGS = frozenset(
 )
 
 
-def _gdn_gate(use_gate_in_kernel, A_log, dt_bias, function):
-    """The engine's gate mode and the side tensors it takes (None unless the gate is fused)."""
-    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, function)
-    if gate == "log_decay":
-        return gate, None, None
-    return gate, A_log, dt_bias
-
-
 def chunk_gated_delta_rule(
     q,
     k,
@@ -117,7 +109,10 @@ def chunk_gated_delta_rule(
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     if use_gate_in_kernel and A_log is None:
         raise AssertionError("kda: use_gate_in_kernel=True needs A_log [HV]")
-    gate, A_log, dt_bias = _gdn_gate(use_gate_in_kernel, A_log, dt_bias, "chunk_gated_delta_rule")
+    # (called here, not through a helper: its UserWarning names the caller's line, as for chunk_kda)
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "chunk_gated_delta_rule")
+    if gate == "log_decay":
+        A_log = dt_bias = None
     if cp_context is not None:
         if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
             raise NotImplementedError("kda: cp_context does not take a state pool (ssm_state_indices)")
@@ -225,10 +220,15 @@ def fused_recurrent_gated_delta_rule(
         raise ValueError(
             "kda: pass one gate, 'g' [B, T, HV] (per head) or 'gk' [B, T, HV, K] (per key channel), not both"
         )
+    # Before gk's route too: A_log / dt_bias without use_gate_in_kernel warn whichever the gate is.
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "fused_recurrent_gated_delta_rule")
+    if gate == "log_decay":
+        A_log = dt_bias = None
     if beta is None:
         beta = torch.ones(v.shape[:3], dtype=v.dtype)
     if gk is not None:
-        # KDA's gate: fla applies A_log / dt_bias only to g, so gk is always a log decay here.
+        # KDA's gate: fla applies A_log / dt_bias only to g (use_gate_in_kernel without g was refused
+        # above), so gk is always a log decay here.
         check_key_gate(gk, k, v)
         return fused_recurrent_kda(
             q,
@@ -247,7 +247,6 @@ def fused_recurrent_gated_delta_rule(
         )
     if g is None:  # no decay
         g = torch.zeros(v.shape[:3], dtype=v.dtype if v.dtype.is_floating_point else torch.float32)
-    gate, A_log, dt_bias = _gdn_gate(use_gate_in_kernel, A_log, dt_bias, "fused_recurrent_gated_delta_rule")
     problem = problem_of(
         cu_seqlens,
         scale,

@@ -314,7 +314,8 @@ def _serve(
 ):
     """The serving decode of both gate widths (the problem option ``gate_width``: "per_key", KDA's
     g [B, T, HV, K], or "per_head", the gated delta rule's g [B, T, HV])."""
-    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function)
+    # (stacklevel 4: the public entry stands between _serve and its caller)
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function, stacklevel=4)
     if gate == "log_decay":
         A_log = dt_bias = None
     beta_mode = beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval)

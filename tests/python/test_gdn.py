@@ -368,6 +368,31 @@ def test_a_malformed_gk_is_named_gk():
         kda.fused_recurrent_gated_delta_rule(**t, gk=torch.zeros(2, 10, 2, 8, device="meta"))
 
 
+def test_unused_gate_arguments_warn_at_the_callers_line_in_both_families():
+    """A_log without use_gate_in_kernel is not applied: a UserWarning pointing at the caller's line, from
+    KDA's and the gated delta rule's functions and serving entries alike (gk's route included)."""
+    gdn, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8, **GDN))
+    kda_tensors, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8))
+    no_g = {n: t for n, t in gdn.items() if n != "g"}
+    A_log = torch.zeros(2)
+    calls = {
+        "chunk_kda": lambda: kda.chunk_kda(**kda_tensors, A_log=A_log),
+        "fused_recurrent_kda": lambda: kda.fused_recurrent_kda(**kda_tensors, A_log=A_log),
+        "fused_recurrent_kda_fwd": lambda: kda.fused_recurrent_kda_fwd(**kda_tensors, A_log=A_log),
+        "chunk_gated_delta_rule": lambda: kda.chunk_gated_delta_rule(**gdn, A_log=A_log),
+        "fused_recurrent_gated_delta_rule": lambda: kda.fused_recurrent_gated_delta_rule(**gdn, A_log=A_log),
+        "gk": lambda: kda.fused_recurrent_gated_delta_rule(**no_g, gk=kda_tensors["g"], A_log=A_log),
+        "fused_recurrent_gdn_fwd": lambda: kda.fused_recurrent_gdn_fwd(**gdn, A_log=A_log),
+    }
+    for name, call in calls.items():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            call()
+        unused = [w for w in record if "only used with use_gate_in_kernel=True" in str(w.message)]
+        assert len(unused) == 1 and unused[0].category is UserWarning, name
+        assert unused[0].filename == __file__, (name, unused[0].filename)
+
+
 def test_short_names_and_chunk_size():
     assert kda.chunk_gdn is kda.chunk_gated_delta_rule
     assert kda.fused_recurrent_gdn is kda.fused_recurrent_gated_delta_rule
