@@ -17,8 +17,14 @@ before): ``fla.ops.kda.chunk_kda``; ``fla.ops.kda.fused_recurrent_kda`` (through
 ``fused_recurrent_kda_fwd``, which it calls; fla's serving calls of that function too);
 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``. Each is answered by kda's function of the same
 name (docs/python.md), so gradients flow where kda's do, ``fused_recurrent_kda`` included.
-fla's ``fused_recurrent_gated_delta_rule`` is not dispatched by fla 0.6.0 and cannot be taken over
-this way: call ``kda.fused_recurrent_gated_delta_rule``.
+
+Not served: fla 0.6.0's ``fused_recurrent_gated_delta_rule`` calls its Triton kernel without asking
+the registry, so on CPU tensors it fails after ``register()`` as it did before. transformers' gated
+delta rule models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid) call that function for their
+one-token decode steps whenever fla is installed: ``register()`` serves their prefill and training
+(``chunk_gated_delta_rule``) but not their generation. Map both of their functions to kda's hub layers
+instead (``kda.layers``, docs/python.md), or call ``kda.fused_recurrent_gated_delta_rule``. (Kimi
+Linear's decode, fla's ``fused_recurrent_kda``, is served.)
 
 ``unregister()`` removes kda from the registry again. fla (and Triton, which fla imports) must be
 installed; ``register()`` raises ``ImportError`` otherwise.

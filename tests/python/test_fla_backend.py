@@ -109,6 +109,16 @@ def test_without_registration_fla_is_untouched():
         fla_gdn.chunk_gated_delta_rule(**tensors, **options)
 
 
+def test_fla_fused_recurrent_gated_delta_rule_is_not_served(registered):
+    """fla 0.6.0 calls its Triton kernel for fused_recurrent_gated_delta_rule without asking the registry
+    (transformers' gated delta rule models decode through it): register() cannot serve it. When this
+    fails, a newer fla dispatches the function, and kda.fla_backend can join its registry."""
+    tensors, options = make_inputs(Case(T=1, H=1, HV=2, K=8, V=8, gate_width="per_head"))
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="active drivers"):
+        warnings.simplefilter("ignore")
+        fla_gdn.fused_recurrent_gated_delta_rule(**tensors, **options, output_final_state=True)
+
+
 def test_fused_recurrent_kda_fwd_calls_bind_to_the_serving_signature():
     backend = fla_backend._backend_class()()
     tensors, options = make_inputs(Case(T=6, H=1, HV=2, K=8, V=8, regime="unbounded", **KIMI))
