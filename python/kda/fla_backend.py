@@ -27,10 +27,12 @@ instead (``kda.layers``, docs/python.md), or call ``kda.fused_recurrent_gated_de
 Linear's decode, fla's ``fused_recurrent_kda``, is served.)
 
 ``unregister()`` removes kda from the registry again. fla (and Triton, which fla imports) must be
-installed; ``register()`` raises ``ImportError`` otherwise.
+installed; ``register()`` raises ``ImportError`` otherwise. With ``FLA_DISABLE_BACKEND_DISPATCH=1``
+fla dispatches nothing: ``register()`` then only warns (``UserWarning``), ``registered()`` is False.
 """
 
 import inspect
+import warnings
 
 import torch
 
@@ -114,13 +116,14 @@ def _fresh_state_call(args, kwargs):
 
 
 def _registries():
-    """fla's registries kda joins: the one of fla.ops.kda.chunk_kda (a function registry) and those of
-    the operations 'kda' and 'gated_delta_rule'."""
+    """fla's registries kda joins: the one of fla.ops.kda.chunk_kda (a function registry; None when
+    fla's dispatch is disabled, which keeps no function registry) and those of the operations 'kda'
+    and 'gated_delta_rule'."""
     import fla.backends as backends
     import fla.ops.gated_delta_rule  # noqa: F401  (defines the dispatched functions)
     import fla.ops.kda as fla_kda
 
-    registries = [backends._function_registries[inspect.unwrap(fla_kda.chunk_kda)]]
+    registries = [backends._function_registries.get(inspect.unwrap(fla_kda.chunk_kda))]
     registries += [backends._get_operation_registry(name) for name in _OPERATIONS]
     return registries
 
@@ -128,11 +131,21 @@ def _registries():
 def register():
     """Registers kda with fla's backend registry (idempotent): fla's ``chunk_kda``,
     ``fused_recurrent_kda`` (``fused_recurrent_kda_fwd``) and ``chunk_gated_delta_rule`` then run
-    through kda when all their tensors are on the CPU."""
+    through kda when all their tensors are on the CPU. With fla's dispatch disabled
+    (``FLA_DISABLE_BACKEND_DISPATCH=1``) nothing can be served: a ``UserWarning``, nothing registered."""
     import fla.backends as backends
     import fla.ops.gated_delta_rule  # noqa: F401
     import fla.ops.kda as fla_kda
 
+    if _registries()[0] is None:
+        warnings.warn(
+            "kda.fla_backend.register(): fla's backend dispatch is disabled "
+            "(FLA_DISABLE_BACKEND_DISPATCH=1), so fla's functions cannot run through kda; call kda's "
+            "functions of the same names",
+            UserWarning,
+            stacklevel=2,
+        )
+        return
     backend = _backend_class()
     backends.register(fla_kda.chunk_kda, verifier=cpu_only)(backend)
     for name in _OPERATIONS:
@@ -142,9 +155,10 @@ def register():
 def unregister():
     """Removes kda from fla's registries (nothing happens if it was not registered)."""
     for registry in _registries():
-        registry._backends.pop(BACKEND_TYPE, None)
+        if registry is not None:
+            registry._backends.pop(BACKEND_TYPE, None)
 
 
 def registered() -> bool:
     """Whether kda is registered with fla's backend registry (for every entry point it answers)."""
-    return all(BACKEND_TYPE in registry._backends for registry in _registries())
+    return all(registry is not None and BACKEND_TYPE in registry._backends for registry in _registries())

@@ -2,6 +2,7 @@
 fused_recurrent_kda and chunk_gated_delta_rule, called on CPU tensors, run through kda and give kda's
 results bit for bit; calls kda's verifier refuses go on to fla as before."""
 
+import inspect
 import warnings
 
 import kda
@@ -144,3 +145,15 @@ def test_fused_recurrent_kda_fwd_calls_bind_to_the_serving_signature():
         backend.fused_recurrent_kda_fwd(q, k, v, g)
     with pytest.raises(TypeError, match="'bogus'"):
         backend.fused_recurrent_kda_fwd(q, k, v, g, beta, inplace_final_state=False, bogus=1)
+
+
+def test_registration_with_fla_dispatch_disabled(monkeypatch):
+    """FLA_DISABLE_BACKEND_DISPATCH=1: fla keeps no function registry and dispatches nothing."""
+    import fla.backends as backends
+
+    monkeypatch.setattr(backends, "_DISPATCH_DISABLED", True)
+    monkeypatch.delitem(backends._function_registries, inspect.unwrap(fla_kda.chunk_kda))
+    with pytest.warns(UserWarning, match="FLA_DISABLE_BACKEND_DISPATCH"):
+        fla_backend.register()
+    assert not fla_backend.registered()
+    fla_backend.unregister()  # nothing to remove, and no KeyError
