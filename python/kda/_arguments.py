@@ -1,6 +1,7 @@
-"""fla's argument conventions, shared by the drop-ins (``kda.functional``) and the serving entries
-(``kda.serving``): fla's checks with its exception types, the gate and beta modes fla's flags select,
-and the casts that give the engine tensors it reads as they are."""
+"""fla's argument conventions, shared by the drop-ins (``kda.functional``, ``kda.gated_delta_rule`` and
+what they share, ``kda._compute``) and the serving entries (``kda.serving``): fla's checks with its
+exception types (for either gate width), the gate and beta modes fla's flags select, and the casts
+that give the engine tensors it reads as they are."""
 
 import math
 import warnings

@@ -1,10 +1,12 @@
-"""Serving: KDA on state pools updated in place (inference only).
+"""Serving: KDA and the gated delta rule on state pools updated in place (inference only).
 
 ``fused_recurrent_kda_fwd`` is fla-core 0.6.0's batched decode entry (the one vLLM and SGLang call),
-on kda's decode kernel; ``pooled_prefill`` is the prefill that ``kda.chunk_kda`` routes to when it is
-given ``ssm_state_indices`` / ``has_initial_state``: each sequence starts from a pool slot and its final
-state goes back to that slot. Neither records a gradient (``kda.chunk_kda`` and
-``kda.fused_recurrent_kda`` are the differentiable functions).
+on kda's decode kernel, and ``fused_recurrent_gdn_fwd`` the same decode with the gated delta rule's
+per-head gate; ``pooled_prefill`` is the prefill that ``kda.chunk_kda`` and
+``kda.chunk_gated_delta_rule`` route to when given ``ssm_state_indices`` / ``has_initial_state``: each
+sequence starts from a pool slot and its final state goes back to that slot. None records a gradient
+(``kda.chunk_kda``, ``kda.fused_recurrent_kda`` and the gated delta rule's functions of the same kind
+are the differentiable ones).
 """
 
 import torch
@@ -35,7 +37,8 @@ def _serving_plain(function, tensors):
     if recorded:
         raise RuntimeError(
             f"kda: {function} updates a state pool in place and records no gradient; call it under "
-            "torch.no_grad() / inference_mode (chunk_kda and fused_recurrent_kda are differentiable)"
+            "torch.no_grad() / inference_mode (kda's chunk_* and fused_recurrent_* functions are "
+            "differentiable)"
         )
     return plain
 
@@ -397,11 +400,12 @@ def _decode(
     num_accepted_tokens,
     out,
 ):
-    """fused_recurrent_kda_fwd once its options are resolved (``options``: the call's _ops.Options)."""
+    """The serving decode (fused_recurrent_kda_fwd, fused_recurrent_gdn_fwd) once its options are resolved
+    (``options``: the call's _ops.Options, the gate width among them)."""
     out_dtype = v.dtype
     (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
     if state_dtype == torch.float64:
-        raise TypeError("kda: fused_recurrent_kda_fwd computes in float32 / bfloat16; got float64 inputs")
+        raise TypeError("kda: the serving decode computes in float32 / bfloat16; got float64 inputs")
     indices = _index_tensor("ssm_state_indices", ssm_state_indices)
     accepted = _index_tensor("num_accepted_tokens", num_accepted_tokens)
     N = None  # the number of requests, needed unless a pool is updated in place (a decode step)
