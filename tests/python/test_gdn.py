@@ -307,6 +307,34 @@ def test_layers_match_transformers_torch_functions():
             assert rel_rms(ours[n].grad, theirs[n].grad) <= 1e-4, n
 
 
+def test_chunk_layers_forward_chunk_size(monkeypatch):
+    """transformers' chunked torch functions take chunk_size (default 64): the hub layers hand it on."""
+    from kda import layers
+
+    seen = {}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            seen[name] = kwargs["chunk_size"]
+            return None, None
+
+        return call
+
+    monkeypatch.setattr(layers, "chunk_kda", recorder("kda"))
+    monkeypatch.setattr(layers._gdn, "chunk_gated_delta_rule", recorder("gdn"))
+    x = torch.zeros(1)
+    for layer, name in (
+        (layers.chunk_kimi_delta_attention(), "kda"),
+        (layers.chunk_gated_delta_rule(), "gdn"),
+    ):
+        layer(x, x, x, x, x, 32)
+        assert seen.pop(name) == 32
+        layer(query=x, key=x, value=x, g=x, beta=x, chunk_size=16)
+        assert seen.pop(name) == 16
+        layer(x, x, x, x, x)
+        assert seen.pop(name) == 64
+
+
 # ---- fla's other gates and defaults ----------------------------------------------------------------
 
 
