@@ -102,7 +102,7 @@ def part_threads(args):
     half = T // 2
     options = _ops.problem_options(q)
     parts = [t[:, :half] for t in (q, k, v, g, beta)]
-    problem = _ops.prepare(parts[0], parts[2], parts[3], options)
+    problem = _ops.prepare(parts[0], parts[2], options)
     transition = _median(lambda: _ops.segment_transition(problem, *parts, None, None, 0), args.reps)
     with torch.no_grad():
         local_half = _median(lambda: kda.chunk_kda(*parts), args.reps)
@@ -196,7 +196,7 @@ def part_cp(args):
             single[threads, mode] = _median(run, args.reps)
     torch.set_num_threads(1)
     q, k, v, g, beta = _inputs(T // W, H, K, V)
-    problem = _ops.prepare(q, v, g, _ops.problem_options(q))
+    problem = _ops.prepare(q, v, _ops.problem_options(q))
     transition = _median(lambda: _ops.segment_transition(problem, q, k, v, g, beta, None, None, 0), args.reps)
 
     with tempfile.TemporaryDirectory() as directory:

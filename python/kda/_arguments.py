@@ -1,6 +1,7 @@
-"""fla's argument conventions, shared by the drop-ins (``kda.functional``) and the serving entries
-(``kda.serving``): fla's checks with its exception types, the gate and beta modes fla's flags select,
-and the casts that give the engine tensors it reads as they are."""
+"""fla's argument conventions, shared by the drop-ins (``kda.functional``, ``kda.gated_delta_rule`` and
+what they share, ``kda._compute``) and the serving entries (``kda.serving``): fla's checks with its
+exception types (for either gate width), the gate and beta modes fla's flags select, and the casts
+that give the engine tensors it reads as they are."""
 
 import math
 import warnings
@@ -44,10 +45,11 @@ def check_cpu(names, tensors):
             )
 
 
-def check_shapes(q, k, v, g, beta, per_head=False):
-    """fla's shape checks (the same exception types), plus what the engine supports. ``per_head``: the
-    gated delta rule's gate g [B, T, HV] (fla's GDN functions raise ValueError where its KDA ones
-    assert); else KDA's g [B, T, HV, K]."""
+def check_shapes(q, k, v, g, beta, gate_width="per_key"):
+    """fla's shape checks (the same exception types), plus what the engine supports. ``gate_width``
+    (the problem option): "per_key", KDA's g [B, T, HV, K], or "per_head", the gated delta rule's
+    g [B, T, HV] (fla's GDN functions raise ValueError where its KDA ones assert)."""
+    per_head = gate_width == "per_head"
     gate_rank = 3 if per_head else 4
     for name, t, rank in zip(NAMES[:4], (q, k, v, g), (4, 4, 4, gate_rank), strict=True):
         if t.dim() != rank:
@@ -102,11 +104,21 @@ def _gate_rank_message(per_head, g):
     )
 
 
-def check_gate_width(g, per_head):
-    """The cheap check every call makes before the engine, which would read a g of either rank as the
-    gate width it has: KDA's functions take g [B, T, HV, K], the gated delta rule's g [B, T, HV]."""
-    if (g.dim() == 3) is not per_head:
-        raise ValueError(_gate_rank_message(per_head, g))
+def check_key_gate(gk, k, v):
+    """fused_recurrent_gated_delta_rule's ``gk``, KDA's gate ``[B, T, HV, K]`` (B, T, HV of v, K of k),
+    checked (device, rank, shape) before the call goes on to fused_recurrent_kda, whose messages name
+    its gate 'g'. A gate of the wrong shape raises the gated delta rule's exception type,
+    ``ValueError``; k and v of the wrong rank are left to fused_recurrent_kda's checks."""
+    check_cpu(("gk",), (gk,))
+    if gk.dim() != 4:
+        raise ValueError(
+            f"kda: 'gk' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
+            f"{list(gk.shape)}; a decay per head [B, T, HV] is passed as 'g'"
+        )
+    if v.dim() == 4 and k.dim() == 4:
+        shape = (*v.shape[:3], k.shape[3])
+        if gk.shape != shape:
+            raise ValueError(f"gk must have shape [B, T, HV, K]={list(shape)}, got {list(gk.shape)}")
 
 
 def check_varlen(q, initial_state, cu_seqlens):
@@ -130,35 +142,37 @@ def check_varlen(q, initial_state, cu_seqlens):
         )
 
 
-def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, per_head=False):
+def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_key"):
     """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
     messages and exception types."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, initial_state, cu_seqlens)
-    check_shapes(q, k, v, g, beta, per_head)
+    check_shapes(q, k, v, g, beta, gate_width)
 
 
 def check_gdn_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
     """check_tensors for the gated delta rule's functions (g [B, T, HV])."""
-    check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, per_head=True)
+    check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_head")
 
 
-def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function):
-    """The engine's gate mode for fla's gate arguments."""
+def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function, stacklevel=3):
+    """The engine's gate mode for fla's gate arguments. Its UserWarnings (a gate argument that is not
+    applied) name the line that called the public function: ``stacklevel`` 3 when that function calls
+    gate_mode itself, one more per frame in between."""
     if not use_gate_in_kernel:
         if A_log is not None or dt_bias is not None:
             warnings.warn(
                 f"{function}: A_log and dt_bias are only used with use_gate_in_kernel=True; g is taken as "
                 "the log decay and they are not applied",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         if lower_bound is not None and not safe_gate:
             warnings.warn(
                 f"{function}: lower_bound is only used with use_gate_in_kernel=True (or to describe bounded "
                 "gates with safe_gate=True); it is not applied",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return "log_decay"
     if A_log is None and lower_bound is None:

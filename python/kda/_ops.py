@@ -50,6 +50,7 @@ PROBLEM_OPTIONS = (
     ("gate", "str", "log_decay"),
     ("gate_lower_bound", "float", -5.0),
     ("beta_mode", "str", "given"),
+    ("gate_width", "str", "per_key"),  # "per_head": the gated delta rule's g [B, T, HV]
 )
 
 Options = namedtuple("Options", [o[0] for o in PROBLEM_OPTIONS], defaults=[o[2] for o in PROBLEM_OPTIONS])
@@ -147,15 +148,16 @@ _N_OPTION_TENSORS = len(_OPTION_GROUPS["{option_tensors}"])
 assert all(t.startswith("Tensor") for _, t, _ in PROBLEM_OPTIONS[:_N_OPTION_TENSORS])
 
 
-def prepare(q, v, g, options):
+def prepare(q, v, options):
     """The problem of one call, validated once (an ``_engine.Problem``), which every engine function
     takes first; it answers ``num_sequences``, ``num_chunks`` and ``state_shape`` ((HV, a, b) in the
-    state layout). ``options``: the problem options in the table's order. The gate's width is read
-    from g's rank: [B, T, HV, K] per key (KDA), [B, T, HV] per head (the gated delta rule)."""
+    state layout). ``options``: the problem options in the table's order. The gate's width is one of
+    them: g is [B, T, HV, K] per key (KDA), [B, T, HV] per head (the gated delta rule), and the
+    engine refuses a g of the other rank."""
     values = list(options)
     for i in range(_N_OPTION_TENSORS):
         values[i] = _dl(values[i])
-    return _engine.prepare(_to_dlpack(q), _to_dlpack(v), *values, "per_head" if g.dim() == 3 else "per_key")
+    return _engine.prepare(_to_dlpack(q), _to_dlpack(v), *values)
 
 
 # ---- the forward and backward ops of each path ------------------------------------------------------
@@ -190,7 +192,7 @@ class _Path:
         """Runs the engine on the forward op's arguments; returns (o, final_state or None, chunk_states
         or None)."""
         a = _FORWARD.Args._make(args)
-        problem = prepare(a.q, a.v, a.g, _FORWARD.options(args))
+        problem = prepare(a.q, a.v, _FORWARD.options(args))
         sd = self.state_dtype
         o = _new_like(a.v)
         final = chunks = None
@@ -257,7 +259,7 @@ class _Path:
         if self.threaded:  # the oracle is single-threaded and recomputes everything from the inputs
             extra["chunk_states"] = _dl(a.chunk_states)
         self.engine_backward(
-            prepare(a.q, a.v, a.g, _BACKWARD.options(args)),
+            prepare(a.q, a.v, _BACKWARD.options(args)),
             *map(_to_dlpack, (a.q, a.k, a.v, a.g, a.beta, a.d_o, dq, dk, dv, dg, dbeta)),
             A_log=_dl(a.A_log),
             dt_bias=_dl(a.dt_bias),
@@ -414,7 +416,7 @@ def compute_decode(*args):
     """The decode op's implementation: writes out and updates pool's slots in place."""
     a = _DECODE.Args._make(args)
     _engine.decode(
-        prepare(a.q, a.v, a.g, _DECODE.options(args)),
+        prepare(a.q, a.v, _DECODE.options(args)),
         _to_dlpack(a.q),
         _to_dlpack(a.k),
         _to_dlpack(a.v),
@@ -441,7 +443,7 @@ def _pooled_forward(engine_forward):
         a = _POOLED.Args._make(args)
         o = _new_like(a.v)
         engine_forward(
-            prepare(a.q, a.v, a.g, _POOLED.options(args)),
+            prepare(a.q, a.v, _POOLED.options(args)),
             *map(_to_dlpack, (a.q, a.k, a.v, a.g, a.beta, o)),
             A_log=_dl(a.A_log),
             dt_bias=_dl(a.dt_bias),

@@ -508,7 +508,7 @@ class Call:
             # The local problem, validated here (before any collective), with K-first states: no state
             # leaves the call, so its layout is free.
             options = options._replace(state_v_first=False)
-            problem = _ops.prepare(q, v, g, options)
+            problem = _ops.prepare(q, v, options)
             self.facts[5] = int(grad)
             if c.continues_into_next:
                 # A middle rank (its only sequence continues both ways) recording a gradient keeps

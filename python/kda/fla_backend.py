@@ -17,20 +17,34 @@ before): ``fla.ops.kda.chunk_kda``; ``fla.ops.kda.fused_recurrent_kda`` (through
 ``fused_recurrent_kda_fwd``, which it calls; fla's serving calls of that function too);
 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``. Each is answered by kda's function of the same
 name (docs/python.md), so gradients flow where kda's do, ``fused_recurrent_kda`` included.
-fla's ``fused_recurrent_gated_delta_rule`` is not dispatched by fla 0.6.0 and cannot be taken over
-this way: call ``kda.fused_recurrent_gated_delta_rule``.
+
+Not served: fla 0.6.0's ``fused_recurrent_gated_delta_rule`` calls its Triton kernel without asking
+the registry, so on CPU tensors it fails after ``register()`` as it did before. transformers' gated
+delta rule models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid) call that function for their
+one-token decode steps whenever fla is installed: ``register()`` serves their prefill and training
+(``chunk_gated_delta_rule``) but not their generation. Map both of their functions to kda's hub layers
+instead (``kda.layers``, docs/python.md), or call ``kda.fused_recurrent_gated_delta_rule``. (Kimi
+Linear's decode, fla's ``fused_recurrent_kda``, is served.)
 
 ``unregister()`` removes kda from the registry again. fla (and Triton, which fla imports) must be
-installed; ``register()`` raises ``ImportError`` otherwise.
+installed; ``register()`` raises ``ImportError`` otherwise. With ``FLA_DISABLE_BACKEND_DISPATCH=1``
+fla dispatches nothing: ``register()`` then only warns (``UserWarning``), ``registered()`` is False.
 """
 
+import inspect
+import warnings
+
 import torch
+
+from . import functional, gated_delta_rule, serving
 
 __all__ = ["BACKEND_TYPE", "register", "registered", "unregister"]
 
 BACKEND_TYPE = "kda_cpu"
 # fla's operation registries kda joins (besides chunk_kda's function registry).
 _OPERATIONS = ("kda", "gated_delta_rule")
+_SERVING_SIGNATURE = inspect.signature(serving.fused_recurrent_kda_fwd)
+_RECURRENT_PARAMETERS = frozenset(inspect.signature(functional.fused_recurrent_kda).parameters)
 
 
 def _tensors(args, kwargs):
@@ -52,8 +66,6 @@ def cpu_only(*args, **kwargs):
 def _backend_class():
     from fla.backends import BaseBackend
 
-    from . import functional, gated_delta_rule, serving
-
     class KdaCpuBackend(BaseBackend):
         """kda's engine for fla's dispatched entry points on CPU tensors."""
 
@@ -68,81 +80,50 @@ def _backend_class():
         def chunk_gated_delta_rule(self, *args, **kwargs):
             return gated_delta_rule.chunk_gated_delta_rule(*args, **kwargs)
 
-        def fused_recurrent_kda_fwd(
-            self,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            A_log=None,
-            dt_bias=None,
-            initial_state=None,
-            scale=None,
-            output_final_state=False,
-            inplace_final_state=True,
-            state_v_first=False,
-            cu_seqlens=None,
-            ssm_state_indices=None,
-            num_accepted_tokens=None,
-            use_qk_l2norm_in_kernel=False,
-            use_gate_in_kernel=False,
-            use_beta_sigmoid_in_kernel=False,
-            allow_neg_eigval=False,
-            lower_bound=None,
-            out=None,
-            **kwargs,
-        ):
-            options = dict(
-                A_log=A_log,
-                dt_bias=dt_bias,
-                scale=scale,
-                initial_state=initial_state,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                allow_neg_eigval=allow_neg_eigval,
-                lower_bound=lower_bound,
-                state_v_first=state_v_first,
-                cu_seqlens=cu_seqlens,
-                **kwargs,
-            )
-            if (
-                ssm_state_indices is None
-                and num_accepted_tokens is None
-                and not inplace_final_state
-                and out is None
-            ):
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            fresh = _fresh_state_call(args, kwargs)
+            if fresh is not None:
                 # What fla's fused_recurrent_kda asks for: a fresh final state. kda's differentiable
                 # function answers it (the serving entry records no gradient).
-                return functional.fused_recurrent_kda(q, k, v, g, beta, **options)
-            return serving.fused_recurrent_kda_fwd(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                inplace_final_state=inplace_final_state,
-                ssm_state_indices=ssm_state_indices,
-                num_accepted_tokens=num_accepted_tokens,
-                out=out,
-                **options,
-            )
+                return functional.fused_recurrent_kda(**fresh)
+            return serving.fused_recurrent_kda_fwd(*args, **kwargs)
 
     return KdaCpuBackend
 
 
-def _registries():
-    """fla's registries kda joins: the one of fla.ops.kda.chunk_kda (a function registry) and those of
-    the operations 'kda' and 'gated_delta_rule'."""
-    from inspect import unwrap
+def _fresh_state_call(args, kwargs):
+    """The arguments by name of ``kda.fused_recurrent_kda`` for a ``fused_recurrent_kda_fwd`` call that
+    asks for no pool, no in-place update and no ``out`` (fla's ``fused_recurrent_kda`` makes such
+    calls), else None. The call is bound to ``kda.serving.fused_recurrent_kda_fwd``'s own signature
+    (which has fla's), so its parameters are spelled once; a call that does not bind is left to that
+    function, which raises Python's error for it."""
+    try:
+        bound = _SERVING_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    if (
+        a["ssm_state_indices"] is not None
+        or a["num_accepted_tokens"] is not None
+        or a["inplace_final_state"]
+        or a["out"] is not None
+    ):
+        return None
+    # (fused_recurrent_kda takes every other parameter: the four above are the serving entry's own)
+    named = {n: value for n, value in a.items() if n in _RECURRENT_PARAMETERS and n != "kwargs"}
+    return {**named, **a["kwargs"]}
 
+
+def _registries():
+    """fla's registries kda joins: the one of fla.ops.kda.chunk_kda (a function registry; None when
+    fla's dispatch is disabled, which keeps no function registry) and those of the operations 'kda'
+    and 'gated_delta_rule'."""
     import fla.backends as backends
     import fla.ops.gated_delta_rule  # noqa: F401  (defines the dispatched functions)
     import fla.ops.kda as fla_kda
 
-    registries = [backends._function_registries[unwrap(fla_kda.chunk_kda)]]
+    registries = [backends._function_registries.get(inspect.unwrap(fla_kda.chunk_kda))]
     registries += [backends._get_operation_registry(name) for name in _OPERATIONS]
     return registries
 
@@ -150,11 +131,21 @@ def _registries():
 def register():
     """Registers kda with fla's backend registry (idempotent): fla's ``chunk_kda``,
     ``fused_recurrent_kda`` (``fused_recurrent_kda_fwd``) and ``chunk_gated_delta_rule`` then run
-    through kda when all their tensors are on the CPU."""
+    through kda when all their tensors are on the CPU. With fla's dispatch disabled
+    (``FLA_DISABLE_BACKEND_DISPATCH=1``) nothing can be served: a ``UserWarning``, nothing registered."""
     import fla.backends as backends
     import fla.ops.gated_delta_rule  # noqa: F401
     import fla.ops.kda as fla_kda
 
+    if _registries()[0] is None:
+        warnings.warn(
+            "kda.fla_backend.register(): fla's backend dispatch is disabled "
+            "(FLA_DISABLE_BACKEND_DISPATCH=1), so fla's functions cannot run through kda; call kda's "
+            "functions of the same names",
+            UserWarning,
+            stacklevel=2,
+        )
+        return
     backend = _backend_class()
     backends.register(fla_kda.chunk_kda, verifier=cpu_only)(backend)
     for name in _OPERATIONS:
@@ -164,9 +155,10 @@ def register():
 def unregister():
     """Removes kda from fla's registries (nothing happens if it was not registered)."""
     for registry in _registries():
-        registry._backends.pop(BACKEND_TYPE, None)
+        if registry is not None:
+            registry._backends.pop(BACKEND_TYPE, None)
 
 
 def registered() -> bool:
     """Whether kda is registered with fla's backend registry (for every entry point it answers)."""
-    return all(BACKEND_TYPE in registry._backends for registry in _registries())
+    return all(registry is not None and BACKEND_TYPE in registry._backends for registry in _registries())

@@ -22,18 +22,8 @@ import torch.nn.functional as F
 
 from . import _ops
 from . import cp as _cp
-from ._arguments import (
-    RECURRENT_KWARGS,
-    beta_mode_of,
-    check_gate_width,
-    check_tensors,
-    fla_errors,
-    gate_mode,
-    prepare_activations,
-    reject_unknown,
-    side,
-    state_v_first_of,
-)
+from ._arguments import RECURRENT_KWARGS, check_tensors, gate_mode, reject_unknown, state_v_first_of
+from ._compute import problem_of, run
 from .serving import fused_recurrent_kda_fwd, pooled_prefill
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"]
@@ -41,78 +31,6 @@ __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused
 _CHUNK_KWARGS = frozenset(
     {"A_log", "dt_bias", "chunk_size", "transpose_state_layout", "ssm_state_indices", "has_initial_state"}
 )
-
-
-def _problem(cu_seqlens, scale, state_v_first, qk_l2norm, gate, lower_bound, beta_sigmoid, allow_neg_eigval):
-    """The problem options (``_ops.problem_options``' names) of fla's flags, shared by both drop-ins."""
-    return dict(
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        state_v_first=bool(state_v_first),
-        qk_l2norm=bool(qk_l2norm),
-        gate=gate,
-        gate_lower_bound=lower_bound,
-        beta_mode=beta_mode_of(beta_sigmoid, allow_neg_eigval),
-    )
-
-
-def _run(
-    path,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    problem,
-    *,
-    A_log,
-    dt_bias,
-    initial_state,
-    output_final_state,
-    want_chunk_states,
-    per_head=False,
-    cp=None,
-):
-    """One engine call through the custom ops (``problem``: the problem options by name, see
-    ``_ops.problem_options``): returns (o, final_state, chunk_states) in the engine's dtypes (o in v's
-    compute dtype); final_state / chunk_states are None when not asked for. ``per_head``: the gated
-    delta rule's gate g [B, T, HV] (the engine reads the width from g's rank; this says which the
-    caller's function takes). ``cp``: a context-parallel call (``kda.cp.Call``), which runs it."""
-    check_gate_width(g, per_head)
-    options = _ops.problem_options(q, **problem)
-    (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
-    if state_dtype == torch.float64:
-        path = "reference"
-    if options.gate == "lower_bound" and A_log is None:
-        # fla's gate without A_log is lower_bound * sigmoid(g + dt_bias): exp(A_log) = 1.
-        A_log = torch.zeros(v.shape[2], dtype=state_dtype)
-    if A_log is not None:
-        A_log = side(A_log, state_dtype)
-    if dt_bias is not None:
-        dt_bias = side(dt_bias, state_dtype)
-        if dt_bias.dim() != 1:
-            dt_bias = dt_bias.reshape(-1)
-    if initial_state is not None:
-        initial_state = side(initial_state, state_dtype)
-    grad, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, initial_state, options.cu_seqlens))
-    if cp is not None:
-        return cp.forward(path, q, k, v, g, beta, A_log, dt_bias, options, grad), None, None
-    o, final, chunks = _ops.forward(
-        path,
-        plain and not grad,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        *options,
-        bool(output_final_state),
-        grad or want_chunk_states,
-    )
-    return o, final, chunks if want_chunk_states else None
 
 
 # ---- the public functions -------------------------------------------------------------------------
@@ -232,7 +150,7 @@ def chunk_kda(
         cu_seqlens = cp_context.begin(
             check_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
-    problem = _problem(
+    problem = problem_of(
         cu_seqlens,
         scale,
         state_v_first,
@@ -272,25 +190,23 @@ def chunk_kda(
                 "torch.no_grad()): the intermediate states carry no gradient"
             )
 
-    out_dtype, h_dtype = q.dtype, k.dtype
-    with fla_errors(check_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        o, final, chunks = _run(
-            "chunk",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            want_chunk_states=return_intermediate_states,
-            cp=cp_context,
-        )
-    if o.dtype != out_dtype:
-        o = o.to(out_dtype)
+    h_dtype = k.dtype
+    o, final, chunks = run(
+        "chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        problem,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        out_dtype=q.dtype,
+        want_chunk_states=return_intermediate_states,
+        cp=cp_context,
+    )
     if not return_intermediate_states:
         return o, final
     batch = q.shape[0]
@@ -330,7 +246,7 @@ def fused_recurrent_kda(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
-    problem = _problem(
+    problem = problem_of(
         cu_seqlens,
         scale,
         state_v_first,
@@ -340,24 +256,21 @@ def fused_recurrent_kda(
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )
-
-    out_dtype = v.dtype
-    with fla_errors(check_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        o, final, _ = _run(
-            "recurrent",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            want_chunk_states=False,
-        )
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final
+    o, final, _ = run(
+        "recurrent",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        problem,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        out_dtype=v.dtype,
+    )
+    return o, final
 
 
 def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32):

@@ -1,8 +1,8 @@
 """flash-linear-attention's gated delta rule (Gated DeltaNet, GDN) functions, on kda's engine on the CPU.
 
 The gated delta rule is KDA with one log decay per token and value head (``g [B, T, HV]``) instead of
-one per key channel: the state decays as a whole. kda computes it as a problem of its own (gate
-width ``per_head``), with kernels for the scalar gate, forward and backward.
+one per key channel: the state decays as a whole. kda computes it as a problem of its own (the
+problem option ``gate_width="per_head"``), with kernels for the scalar gate, forward and backward.
 
 ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` take the arguments of fla-core
 0.6.0's functions of the same names, with the same defaults, returns and exception types where fla
@@ -21,12 +21,13 @@ from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
     check_gdn_tensors,
-    fla_errors,
+    check_key_gate,
     gate_mode,
     reject_unknown,
     state_v_first_of,
 )
-from .functional import _problem, _run, fused_recurrent_kda
+from ._compute import problem_of, run
+from .functional import fused_recurrent_kda
 from .serving import pooled_prefill
 
 __all__ = [
@@ -48,14 +49,6 @@ _CHUNK_KWARGS = frozenset(
         "has_initial_state",
     }
 )
-
-
-def _gdn_gate(use_gate_in_kernel, A_log, dt_bias, function):
-    """The engine's gate mode and the side tensors it takes (None unless the gate is fused)."""
-    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, function)
-    if gate == "log_decay":
-        return gate, None, None
-    return gate, A_log, dt_bias
 
 
 def chunk_gated_delta_rule(
@@ -116,14 +109,17 @@ def chunk_gated_delta_rule(
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     if use_gate_in_kernel and A_log is None:
         raise AssertionError("kda: use_gate_in_kernel=True needs A_log [HV]")
-    gate, A_log, dt_bias = _gdn_gate(use_gate_in_kernel, A_log, dt_bias, "chunk_gated_delta_rule")
+    # (called here, not through a helper: its UserWarning names the caller's line, as for chunk_kda)
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "chunk_gated_delta_rule")
+    if gate == "log_decay":
+        A_log = dt_bias = None
     if cp_context is not None:
         if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
             raise NotImplementedError("kda: cp_context does not take a state pool (ssm_state_indices)")
         cu_seqlens = cp_context.begin(
             check_gdn_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
-    problem = _problem(
+    problem = problem_of(
         cu_seqlens,
         scale,
         state_v_first,
@@ -132,6 +128,7 @@ def chunk_gated_delta_rule(
         None,
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
+        gate_width="per_head",
     )
     if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
         return pooled_prefill(
@@ -146,28 +143,23 @@ def chunk_gated_delta_rule(
             problem,
             A_log=A_log,
             dt_bias=dt_bias,
-            per_head=True,
         )
-
-    out_dtype = q.dtype
-    with fla_errors(check_gdn_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        o, final, _ = _run(
-            "chunk",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            want_chunk_states=False,
-            per_head=True,
-            cp=cp_context,
-        )
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final
+    o, final, _ = run(
+        "chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        problem,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        out_dtype=q.dtype,
+        cp=cp_context,
+    )
+    return o, final
 
 
 def fused_recurrent_gated_delta_rule(
@@ -205,7 +197,8 @@ def fused_recurrent_gated_delta_rule(
       ``use_gate_in_kernel`` needs ``g``, which kda does not take together with ``gk``);
     - neither: no decay (the plain delta rule).
 
-    ``g`` and ``gk`` together: ``ValueError``; ``gv`` (a decay per value channel):
+    ``gk`` of another shape or rank: ``ValueError`` naming it. ``g`` and ``gk`` together:
+    ``ValueError``; ``gv`` (a decay per value channel):
     ``NotImplementedError``. ``beta`` defaults to ones (no ``beta`` means a full update).
     ``initial_state`` of another float dtype is read as float32. Returns ``(o, final_state)``: ``o``
     in v's dtype, ``final_state`` float32 or None. Only ``transpose_state_layout`` is accepted through
@@ -227,10 +220,16 @@ def fused_recurrent_gated_delta_rule(
         raise ValueError(
             "kda: pass one gate, 'g' [B, T, HV] (per head) or 'gk' [B, T, HV, K] (per key channel), not both"
         )
+    # Before gk's route too: A_log / dt_bias without use_gate_in_kernel warn whichever the gate is.
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "fused_recurrent_gated_delta_rule")
+    if gate == "log_decay":
+        A_log = dt_bias = None
     if beta is None:
         beta = torch.ones(v.shape[:3], dtype=v.dtype)
     if gk is not None:
-        # KDA's gate: fla applies A_log / dt_bias only to g, so gk is always a log decay here.
+        # KDA's gate: fla applies A_log / dt_bias only to g (use_gate_in_kernel without g was refused
+        # above), so gk is always a log decay here.
+        check_key_gate(gk, k, v)
         return fused_recurrent_kda(
             q,
             k,
@@ -248,8 +247,7 @@ def fused_recurrent_gated_delta_rule(
         )
     if g is None:  # no decay
         g = torch.zeros(v.shape[:3], dtype=v.dtype if v.dtype.is_floating_point else torch.float32)
-    gate, A_log, dt_bias = _gdn_gate(use_gate_in_kernel, A_log, dt_bias, "fused_recurrent_gated_delta_rule")
-    problem = _problem(
+    problem = problem_of(
         cu_seqlens,
         scale,
         state_v_first,
@@ -258,25 +256,23 @@ def fused_recurrent_gated_delta_rule(
         None,
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
+        gate_width="per_head",
     )
-    out_dtype = v.dtype
-    with fla_errors(check_gdn_tensors, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        o, final, _ = _run(
-            "recurrent",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            want_chunk_states=False,
-            per_head=True,
-        )
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final
+    o, final, _ = run(
+        "recurrent",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        problem,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        out_dtype=v.dtype,
+    )
+    return o, final
 
 
 # fla's short names.

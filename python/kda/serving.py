@@ -1,10 +1,12 @@
-"""Serving: KDA on state pools updated in place (inference only).
+"""Serving: KDA and the gated delta rule on state pools updated in place (inference only).
 
 ``fused_recurrent_kda_fwd`` is fla-core 0.6.0's batched decode entry (the one vLLM and SGLang call),
-on kda's decode kernel; ``pooled_prefill`` is the prefill that ``kda.chunk_kda`` routes to when it is
-given ``ssm_state_indices`` / ``has_initial_state``: each sequence starts from a pool slot and its final
-state goes back to that slot. Neither records a gradient (``kda.chunk_kda`` and
-``kda.fused_recurrent_kda`` are the differentiable functions).
+on kda's decode kernel, and ``fused_recurrent_gdn_fwd`` the same decode with the gated delta rule's
+per-head gate; ``pooled_prefill`` is the prefill that ``kda.chunk_kda`` and
+``kda.chunk_gated_delta_rule`` route to when given ``ssm_state_indices`` / ``has_initial_state``: each
+sequence starts from a pool slot and its final state goes back to that slot. None records a gradient
+(``kda.chunk_kda``, ``kda.fused_recurrent_kda`` and the gated delta rule's functions of the same kind
+are the differentiable ones).
 """
 
 import torch
@@ -16,7 +18,6 @@ from ._arguments import (
     RECURRENT_KWARGS,
     beta_mode_of,
     check_cpu,
-    check_gate_width,
     check_shapes,
     check_varlen,
     gate_mode,
@@ -36,7 +37,8 @@ def _serving_plain(function, tensors):
     if recorded:
         raise RuntimeError(
             f"kda: {function} updates a state pool in place and records no gradient; call it under "
-            "torch.no_grad() / inference_mode (chunk_kda and fused_recurrent_kda are differentiable)"
+            "torch.no_grad() / inference_mode (kda's chunk_* and fused_recurrent_* functions are "
+            "differentiable)"
         )
     return plain
 
@@ -53,13 +55,14 @@ def _serving_checks(
     initial_state,
     cu_seqlens,
     indices=(None, None),
-    per_head=False,
+    gate_width="per_key",
 ):
     """fla-style checks of a serving call (run as _arguments.fla_errors runs them: after the engine
-    refused the call). ``per_head``: the gated delta rule's gate g [B, T, HV]."""
+    refused the call). ``gate_width``: the call's problem option ("per_head": the gated delta rule's
+    g [B, T, HV])."""
     check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     check_varlen(q, None, cu_seqlens)
-    check_shapes(q, k, v, g, beta, per_head)
+    check_shapes(q, k, v, g, beta, gate_width)
     for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
         _index_tensor(name, t)
     acts = (q, k, v, g, beta)
@@ -101,13 +104,14 @@ def pooled_prefill(
     A_log,
     dt_bias,
     path="chunk",
-    per_head=False,
 ):
-    """chunk_kda (or, with ``per_head``, chunk_gated_delta_rule) on a state pool, once its options are
-    resolved (``problem``: the problem options by name, see ``_ops.problem_options``): sequence n
-    starts from slot ``indices[n]`` (zeros where ``has_initial_state[n]`` is False or the index is
-    negative) and its final state is written back there. Returns (o, pool)."""
-    function = "chunk_gated_delta_rule (pooled)" if per_head else "chunk_kda (pooled)"
+    """chunk_kda (or, with the problem's gate width "per_head", chunk_gated_delta_rule) on a state
+    pool, once its options are resolved (``problem``: the problem options by name, see
+    ``_ops.problem_options``): sequence n starts from slot ``indices[n]`` (zeros where
+    ``has_initial_state[n]`` is False or the index is negative) and its final state is written back
+    there. Returns (o, pool)."""
+    gate_width = problem["gate_width"]
+    function = "chunk_gated_delta_rule (pooled)" if gate_width == "per_head" else "chunk_kda (pooled)"
     if pool is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
     if indices is None:
@@ -115,7 +119,7 @@ def pooled_prefill(
     out_dtype = q.dtype
     cu_seqlens = problem.get("cu_seqlens")
     _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, pool))
-    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, per_head=per_head)
+    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, gate_width=gate_width)
     options = _ops.problem_options(q, **problem)
     q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
     if options.gate == "lower_bound" and A_log is None:
@@ -200,28 +204,28 @@ def fused_recurrent_kda_fwd(
     reject_unknown("fused_recurrent_kda_fwd", kwargs, RECURRENT_KWARGS)
     return _serve(
         "fused_recurrent_kda_fwd",
-        False,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        scale,
-        output_final_state,
-        inplace_final_state,
-        state_v_first_of(state_v_first, kwargs),
-        cu_seqlens,
-        ssm_state_indices,
-        num_accepted_tokens,
-        use_qk_l2norm_in_kernel,
-        use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-        lower_bound,
-        out,
+        gate_width="per_key",
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        scale=scale,
+        output_final_state=output_final_state,
+        inplace_final_state=inplace_final_state,
+        state_v_first=state_v_first_of(state_v_first, kwargs),
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+        out=out,
     )
 
 
@@ -260,34 +264,35 @@ def fused_recurrent_gdn_fwd(
     reject_unknown("fused_recurrent_gdn_fwd", kwargs, RECURRENT_KWARGS)
     return _serve(
         "fused_recurrent_gdn_fwd",
-        True,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        scale,
-        output_final_state,
-        inplace_final_state,
-        state_v_first_of(state_v_first, kwargs),
-        cu_seqlens,
-        ssm_state_indices,
-        num_accepted_tokens,
-        use_qk_l2norm_in_kernel,
-        use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-        None,
-        out,
+        gate_width="per_head",
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        scale=scale,
+        output_final_state=output_final_state,
+        inplace_final_state=inplace_final_state,
+        state_v_first=state_v_first_of(state_v_first, kwargs),
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=None,
+        out=out,
     )
 
 
 def _serve(
     function,
-    per_head,
+    *,
+    gate_width,
     q,
     k,
     v,
@@ -310,8 +315,10 @@ def _serve(
     lower_bound,
     out,
 ):
-    """The serving decode of both gate widths (``per_head``: the gated delta rule's g [B, T, HV])."""
-    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function)
+    """The serving decode of both gate widths (the problem option ``gate_width``: "per_key", KDA's
+    g [B, T, HV, K], or "per_head", the gated delta rule's g [B, T, HV])."""
+    # (stacklevel 4: the public entry stands between _serve and its caller)
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function, stacklevel=4)
     if gate == "log_decay":
         A_log = dt_bias = None
     beta_mode = beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -333,7 +340,7 @@ def _serve(
         initial_state,
         cu_seqlens,
         (ssm_state_indices, num_accepted_tokens),
-        per_head,
+        gate_width,
     )
 
     # The engine validates every argument before it writes anything; fla's checks run only when it
@@ -342,7 +349,6 @@ def _serve(
     if torch.compiler.is_compiling():
         _serving_checks(function, *checked)
     try:
-        check_gate_width(g, per_head)  # the engine would take a g of either rank
         return _decode(
             plain,
             q,
@@ -360,6 +366,7 @@ def _serve(
                 gate=gate,
                 gate_lower_bound=float(-5.0 if lower_bound is None else lower_bound),
                 beta_mode=beta_mode,
+                gate_width=gate_width,  # the engine refuses a g of the other width's rank
             ),
             A_log,
             dt_bias,
@@ -393,11 +400,12 @@ def _decode(
     num_accepted_tokens,
     out,
 ):
-    """fused_recurrent_kda_fwd once its options are resolved (``options``: the call's _ops.Options)."""
+    """The serving decode (fused_recurrent_kda_fwd, fused_recurrent_gdn_fwd) once its options are resolved
+    (``options``: the call's _ops.Options, the gate width among them)."""
     out_dtype = v.dtype
     (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
     if state_dtype == torch.float64:
-        raise TypeError("kda: fused_recurrent_kda_fwd computes in float32 / bfloat16; got float64 inputs")
+        raise TypeError("kda: the serving decode computes in float32 / bfloat16; got float64 inputs")
     indices = _index_tensor("ssm_state_indices", ssm_state_indices)
     accepted = _index_tensor("num_accepted_tokens", num_accepted_tokens)
     N = None  # the number of requests, needed unless a pool is updated in place (a decode step)

@@ -2,6 +2,7 @@
 fused_recurrent_kda and chunk_gated_delta_rule, called on CPU tensors, run through kda and give kda's
 results bit for bit; calls kda's verifier refuses go on to fla as before."""
 
+import inspect
 import warnings
 
 import kda
@@ -107,3 +108,52 @@ def test_without_registration_fla_is_untouched():
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="active drivers"):
         warnings.simplefilter("ignore")
         fla_gdn.chunk_gated_delta_rule(**tensors, **options)
+
+
+def test_fla_fused_recurrent_gated_delta_rule_is_not_served(registered):
+    """fla 0.6.0 calls its Triton kernel for fused_recurrent_gated_delta_rule without asking the registry
+    (transformers' gated delta rule models decode through it): register() cannot serve it. When this
+    fails, a newer fla dispatches the function, and kda.fla_backend can join its registry."""
+    tensors, options = make_inputs(Case(T=1, H=1, HV=2, K=8, V=8, gate_width="per_head"))
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="active drivers"):
+        warnings.simplefilter("ignore")
+        fla_gdn.fused_recurrent_gated_delta_rule(**tensors, **options, output_final_state=True)
+
+
+def test_fused_recurrent_kda_fwd_calls_bind_to_the_serving_signature():
+    backend = fla_backend._backend_class()()
+    tensors, options = make_inputs(Case(T=6, H=1, HV=2, K=8, V=8, regime="unbounded", **KIMI))
+    q, k, v, g, beta = (tensors[n] for n in ("q", "k", "v", "g", "beta"))
+    h0, scale = options.pop("initial_state"), options.pop("scale")
+    A_log, dt_bias = options.pop("A_log"), options.pop("dt_bias")
+    o_ref, s_ref = kda.fused_recurrent_kda(
+        q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state=True, **options
+    )
+    # Positional up to inplace_final_state=False: a fresh state, from kda's differentiable function.
+    start = h0.clone()
+    o, s = backend.fused_recurrent_kda_fwd(
+        q, k, v, g, beta, A_log, dt_bias, h0, scale, True, False, **options
+    )
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref) and torch.equal(h0, start)
+    # inplace_final_state's default: the serving entry updates initial_state in place.
+    with torch.no_grad():
+        o, s = backend.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, h0, scale=scale, **options)
+    # (the decode kernel, not the recurrent forward: the same results to rounding)
+    assert s is h0 and torch.allclose(o, o_ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(h0, s_ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="beta"):  # Python's own error, from the serving entry
+        backend.fused_recurrent_kda_fwd(q, k, v, g)
+    with pytest.raises(TypeError, match="'bogus'"):
+        backend.fused_recurrent_kda_fwd(q, k, v, g, beta, inplace_final_state=False, bogus=1)
+
+
+def test_registration_with_fla_dispatch_disabled(monkeypatch):
+    """FLA_DISABLE_BACKEND_DISPATCH=1: fla keeps no function registry and dispatches nothing."""
+    import fla.backends as backends
+
+    monkeypatch.setattr(backends, "_DISPATCH_DISABLED", True)
+    monkeypatch.delitem(backends._function_registries, inspect.unwrap(fla_kda.chunk_kda))
+    with pytest.warns(UserWarning, match="FLA_DISABLE_BACKEND_DISPATCH"):
+        fla_backend.register()
+    assert not fla_backend.registered()
+    fla_backend.unregister()  # nothing to remove, and no KeyError

@@ -194,7 +194,10 @@ def test_gradcheck_float64(function, case):
 
 # ---- fla-core's naive GDN functions, with autograd --------------------------------------------------
 
-fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")
+
+def _fla_naive_module():
+    """fla's naive GDN functions; skips the test (only the test) when fla is not installed."""
+    return pytest.importorskip("fla.ops.gated_delta_rule.naive")
 
 
 def _fla_naive(naive, tensors, options, H, HV, **naive_options):
@@ -246,14 +249,14 @@ def _compare_with_fla(function, naive, case, **naive_options):
 def test_matches_fla_naive_recurrent_in_every_regime(function, regime):
     options = dict(KIMI) if regime == "unbounded" else {}
     case = Case(B=2, T=80, H=1, HV=2, K=16, V=16, regime=regime, **options, **GDN, seed=3)
-    _compare_with_fla(function, fla_gdn.naive_recurrent_gated_delta_rule, case)
+    _compare_with_fla(function, _fla_naive_module().naive_recurrent_gated_delta_rule, case)
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)
 def test_matches_fla_naive_chunk(function):
     # fla's naive chunked form exponentiates unmasked cumulative decays: mild gates only.
     case = Case(B=2, T=100, H=2, HV=2, K=16, V=16, regime="mild", **GDN, seed=5)
-    _compare_with_fla(function, fla_gdn.naive_chunk_gated_delta_rule, case, chunk_size=64)
+    _compare_with_fla(function, _fla_naive_module().naive_chunk_gated_delta_rule, case, chunk_size=64)
 
 
 # ---- transformers' torch functions ----------------------------------------------------------------
@@ -304,6 +307,34 @@ def test_layers_match_transformers_torch_functions():
             assert rel_rms(ours[n].grad, theirs[n].grad) <= 1e-4, n
 
 
+def test_chunk_layers_forward_chunk_size(monkeypatch):
+    """transformers' chunked torch functions take chunk_size (default 64): the hub layers hand it on."""
+    from kda import layers
+
+    seen = {}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            seen[name] = kwargs["chunk_size"]
+            return None, None
+
+        return call
+
+    monkeypatch.setattr(layers, "chunk_kda", recorder("kda"))
+    monkeypatch.setattr(layers._gdn, "chunk_gated_delta_rule", recorder("gdn"))
+    x = torch.zeros(1)
+    for layer, name in (
+        (layers.chunk_kimi_delta_attention(), "kda"),
+        (layers.chunk_gated_delta_rule(), "gdn"),
+    ):
+        layer(x, x, x, x, x, 32)
+        assert seen.pop(name) == 32
+        layer(query=x, key=x, value=x, g=x, beta=x, chunk_size=16)
+        assert seen.pop(name) == 16
+        layer(x, x, x, x, x)
+        assert seen.pop(name) == 64
+
+
 # ---- fla's other gates and defaults ----------------------------------------------------------------
 
 
@@ -343,6 +374,51 @@ def test_gv_and_two_gates_are_refused():
     del t["g"]
     with pytest.raises(ValueError, match="needs g"):  # fla's fused gate applies to g only
         kda.fused_recurrent_gated_delta_rule(**t, gk=gk, use_gate_in_kernel=True, A_log=torch.zeros(2))
+
+
+def test_a_malformed_gk_is_named_gk():
+    """gk goes on to fused_recurrent_kda, whose messages name its gate 'g': gk is checked first."""
+    tensors, _ = make_inputs(Case(B=2, T=10, H=1, HV=2, K=8, V=4, **GDN))
+    t = dict(tensors)
+    del t["g"]
+    bad = [
+        ("'gk' must be a 4-D tensor \\[B, T, HV, K\\]", torch.zeros(2, 10, 2)),  # the per-head gate
+        ("'gk' must be a 4-D tensor", torch.zeros(2, 10, 2, 8, 1)),
+        ("gk must have shape \\[B, T, HV, K\\]=\\[2, 10, 2, 8\\]", torch.zeros(2, 10, 2, 4)),  # K of v
+        ("gk must have shape", torch.zeros(2, 10, 1, 8)),
+        ("gk must have shape", torch.zeros(1, 10, 2, 8)),
+        ("gk must have shape", torch.zeros(2, 9, 2, 8)),
+    ]
+    for message, gk in bad:
+        with pytest.raises(ValueError, match=message):
+            kda.fused_recurrent_gated_delta_rule(**t, gk=gk)
+    with pytest.raises(NotImplementedError, match="'gk' is on meta"):
+        kda.fused_recurrent_gated_delta_rule(**t, gk=torch.zeros(2, 10, 2, 8, device="meta"))
+
+
+def test_unused_gate_arguments_warn_at_the_callers_line_in_both_families():
+    """A_log without use_gate_in_kernel is not applied: a UserWarning pointing at the caller's line, from
+    KDA's and the gated delta rule's functions and serving entries alike (gk's route included)."""
+    gdn, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8, **GDN))
+    kda_tensors, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8))
+    no_g = {n: t for n, t in gdn.items() if n != "g"}
+    A_log = torch.zeros(2)
+    calls = {
+        "chunk_kda": lambda: kda.chunk_kda(**kda_tensors, A_log=A_log),
+        "fused_recurrent_kda": lambda: kda.fused_recurrent_kda(**kda_tensors, A_log=A_log),
+        "fused_recurrent_kda_fwd": lambda: kda.fused_recurrent_kda_fwd(**kda_tensors, A_log=A_log),
+        "chunk_gated_delta_rule": lambda: kda.chunk_gated_delta_rule(**gdn, A_log=A_log),
+        "fused_recurrent_gated_delta_rule": lambda: kda.fused_recurrent_gated_delta_rule(**gdn, A_log=A_log),
+        "gk": lambda: kda.fused_recurrent_gated_delta_rule(**no_g, gk=kda_tensors["g"], A_log=A_log),
+        "fused_recurrent_gdn_fwd": lambda: kda.fused_recurrent_gdn_fwd(**gdn, A_log=A_log),
+    }
+    for name, call in calls.items():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            call()
+        unused = [w for w in record if "only used with use_gate_in_kernel=True" in str(w.message)]
+        assert len(unused) == 1 and unused[0].category is UserWarning, name
+        assert unused[0].filename == __file__, (name, unused[0].filename)
 
 
 def test_short_names_and_chunk_size():
@@ -456,6 +532,7 @@ def _op_args(case, requires_grad, keep, dtype=None):
         qk_l2norm=bool(options.get("use_qk_l2norm_in_kernel")),
         gate=gate,
         beta_mode=beta_mode,
+        gate_width="per_head",
     )
     return (
         t["q"],

@@ -41,6 +41,7 @@ def _op_args(case, requires_grad, keep_chunk_states, dtype=None):
         gate,
         float(options.get("lower_bound") or -5.0),
         beta_mode,
+        "per_key",
         True,
         keep_chunk_states,
     )
@@ -80,7 +81,7 @@ def test_opcheck_backward(path, case):
     d_o = torch.randn_like(o)
     d_final = torch.randn_like(final)
     q, k, v, g, beta, A_log, dt_bias, h0, cu = args[:9]
-    bwd_args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, chunks, d_o, d_final, *args[9:15], h0 is not None)
+    bwd_args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, chunks, d_o, d_final, *args[9:-2], h0 is not None)
     torch.library.opcheck(_ops.PATHS[path].backward_op, bwd_args)
     no_chunks = bwd_args[:9] + (None,) + bwd_args[10:]  # the backward recomputes the chunk states
     torch.library.opcheck(_ops.PATHS[path].backward_op, no_chunks)

@@ -9,24 +9,26 @@ import torch
 from harness import KIMI, LOWER_BOUND, Case, as_oracle, make_inputs, rel_rms
 from kda import _ops
 
-# The schemas as they were spelled out by hand before the options record: generating them from
-# PROBLEM_OPTIONS must not change an op's signature.
+# The schemas as they were spelled out by hand before the options record (plus its gate_width row,
+# added since): generating them from PROBLEM_OPTIONS must not change an op's signature.
 _SCHEMAS = {
     "forward": "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
     "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool state_v_first, bool qk_l2norm, "
-    "str gate, float gate_lower_bound, str beta_mode, bool output_final_state, bool keep_chunk_states) "
-    "-> (Tensor, Tensor, Tensor)",
+    "str gate, float gate_lower_bound, str beta_mode, str gate_width, bool output_final_state, "
+    "bool keep_chunk_states) -> (Tensor, Tensor, Tensor)",
     "backward": "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
     "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_states, Tensor d_o, Tensor? d_final_state, "
     "float scale, bool state_v_first, bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode, "
-    "bool want_d_initial_state) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "str gate_width, bool want_d_initial_state) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "decode": "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
     "Tensor(a!) pool, Tensor state_indices, Tensor? num_accepted_tokens, Tensor? cu_seqlens, float scale, "
-    "bool state_v_first, bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode, Tensor(b!) out) "
-    "-> ()",
+    "bool state_v_first, bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode, str gate_width, "
+    "Tensor(b!) out) -> ()",
     "pooled": "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
     "Tensor(a!) pool, Tensor pool_indices, Tensor? has_initial_state, Tensor? cu_seqlens, float scale, "
-    "bool state_v_first, bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode) -> Tensor",
+    "bool state_v_first, bool qk_l2norm, str gate, float gate_lower_bound, str beta_mode, str gate_width) "
+    "-> Tensor",
 }
 _SIGNATURES = {
     "forward": _ops._FORWARD,
@@ -261,17 +263,22 @@ def test_one_problem_validation_per_engine_call(monkeypatch, fast):
 
 @pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
 def test_a_per_head_gate_reaches_the_engine(path):
-    """A 3-D g [B, T, HV] is the gated delta rule's scalar gate: the ops pass its width to the engine,
-    which computes it as KDA's gate with the head's value in every key channel (the float64 oracle
-    bitwise; the kernels, which use the scalar structure, to fp32 rounding)."""
+    """A 3-D g [B, T, HV] with the problem option gate_width="per_head" is the gated delta rule's
+    scalar gate: the engine computes it as KDA's gate with the head's value in every key channel (the
+    float64 oracle bitwise; the kernels, which use the scalar structure, to fp32 rounding); a g of the
+    other width's rank is refused."""
     dtype = torch.float64 if path == "reference" else torch.float32
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 8, 2, 16, generator=gen, dtype=dtype) for _ in range(2))
     v = torch.randn(1, 8, 2, 16, generator=gen, dtype=dtype)
     g = -0.1 * torch.rand(1, 8, 2, generator=gen, dtype=dtype)
     beta = torch.rand(1, 8, 2, generator=gen, dtype=dtype)
-    args = (q, k, v, g, beta, None, None, None, *_ops.problem_options(q), True, False)
-    wide = (q, k, v, g[..., None].expand(*g.shape, q.shape[-1]).contiguous(), *args[4:])
+    args = (q, k, v, g, beta, None, None, None, *_ops.problem_options(q, gate_width="per_head"), True, False)
+    g_wide = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()
+    wide = (q, k, v, g_wide, beta, None, None, None, *_ops.problem_options(q), True, False)
+    for mismatched in ((*args[:3], g_wide, *args[4:]), (*wide[:3], g, *wide[4:])):
+        with torch.no_grad(), pytest.raises(ValueError, match="'g'"):
+            _ops.forward(path, True, *mismatched)
     for direct in (True, False):
         with torch.no_grad():
             if path == "reference":

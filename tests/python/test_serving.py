@@ -244,6 +244,7 @@ def _pooled_args(tensors, options, pool, indices, has):
         "softplus",
         -5.0,
         "sigmoid",
+        "per_key",
     )
 
 
@@ -272,6 +273,7 @@ def test_decode_op_is_declared_mutating_and_compiles():
         "softplus",
         -5.0,
         "sigmoid",
+        "per_key",
         torch.empty_like(tensors["v"]),
     )
     torch.library.opcheck(_ops.decode_op, args)
