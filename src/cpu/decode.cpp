@@ -52,6 +52,29 @@ HWY_INLINE void prefetch_bytes(const void* base, size_t total, size_t from, size
   for (size_t a = from; a < std::min(from + count, total); a += 64) hwy::Prefetch(b + a);
 }
 
+// The state the worker's next item reads first, fetched into L2 while the current item runs: a
+// decode step is a stream of states, but each item's own sweeps leave the memory idle while they
+// compute (the K-first kernel's second sweep runs from L2), so the next state is requested over the
+// current item's row groups, a share per group. Into L2, not L1: the current item's rows live there.
+struct NextState {
+  const char* data = nullptr;
+  size_t bytes = 0;
+
+  // Prefetches the share of rows [r0, r0 + count) of `rows` rows.
+  HWY_INLINE void rows(int64_t r0, int64_t count, int64_t rows_total) const {
+    if (data == nullptr) return;
+    const size_t from = bytes * static_cast<size_t>(r0) / static_cast<size_t>(rows_total);
+    const size_t to = bytes * static_cast<size_t>(r0 + count) / static_cast<size_t>(rows_total);
+    for (size_t a = from & ~size_t{63}; a < to; a += 64) {
+#if defined(__GNUC__) || defined(__clang__)
+      __builtin_prefetch(data + a, 0, 2);  // locality 2: prefetcht1 on x86, into L2
+#else
+      hwy::Prefetch(data + a);
+#endif
+    }
+  }
+};
+
 // One vector of a state's elements, fp32 or bf16 (uint16_t bits), read into / written from fp32.
 HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
 HWY_INLINE VF load_state(const uint16_t* p) {
@@ -149,7 +172,7 @@ struct DecodeWork {
 // k and the state, one in e, so they stay zero).
 void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HWY_RESTRICT q,
                    const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                   float scale, float* o, const StateRows& src, const StateRows& dst) {
+                   float scale, float* o, const StateRows& src, const StateRows& dst, const NextState& next) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;  // rows per pass: four independent reductions in flight
@@ -187,7 +210,9 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
     }
     for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
     if (dst.ref) store_rows(dst, r0, R, S, ld);
+    next.rows(r0, R, V);
   }
+  next.rows(r0, V - r0, V);
   for (; r0 < V; ++r0) {
     if (src.ref) load_rows(src, r0, 1, S, ld);
     float* row = S + r0 * ld;
@@ -216,7 +241,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
 void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HWY_RESTRICT q,
                    const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
                    float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc,
-                   const StateRows& src, const StateRows& dst) {
+                   const StateRows& src, const StateRows& dst, const NextState& next) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
@@ -269,7 +294,9 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
       hn::StoreU(out, d, o + j);
     }
     if (dst.ref) store_rows(dst, r0, R, S, ld);
+    next.rows(r0, R, K);
   }
+  next.rows(r0, K - r0, K);
   for (; r0 < K; ++r0) {
     float* row = S + r0 * ld;
     const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
@@ -295,7 +322,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
 template <typename Src, typename Dst>
 void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const float* HWY_RESTRICT q,
                         const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                        float scale, float* o) {
+                        float scale, float* o, const NextState& next) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
@@ -321,7 +348,9 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
       }
     }
     for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
+    next.rows(r0, R, V);
   }
+  next.rows(r0, V - r0, V);
   for (; r0 < V; ++r0) {
     const Src* row = src + r0 * K;
     VF u = hn::Zero(d), out = hn::Zero(d);
@@ -341,7 +370,8 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
 template <typename Src, typename Dst>
 void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const float* HWY_RESTRICT q,
                         const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
-                        float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc) {
+                        float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc,
+                        const NextState& next) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
@@ -363,6 +393,7 @@ void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const fl
     hn::StoreU(hn::Zero(d), d, o + j);
   }
   for (int64_t r0 = 0; r0 < K; ++r0) {
+    next.rows(r0, 1, K);
     const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
     const Src* row = src + r0 * V;
     Dst* to = dst + r0 * V;
@@ -379,26 +410,27 @@ void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const fl
 // Runs the slot-to-slot token for the dtypes of src and dst.
 template <typename Src, typename Dst>
 void slot_token(const core::Plan& plan, const void* src, void* dst, const float* q, const float* k,
-                const float* e, const float* v, float beta, float* o, float* acc) {
+                const float* e, const float* v, float beta, float* o, float* acc, const NextState& next) {
   const Src* s = static_cast<const Src*>(src);
   Dst* t = static_cast<Dst*>(dst);
   if (plan.v_first())
-    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o);
+    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o, next);
   else
-    slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, acc);
+    slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, acc, next);
 }
 
 void slot_token(const core::Plan& plan, const core::StateRef& src, const core::StateRef& dst, const float* q,
-                const float* k, const float* e, const float* v, float beta, float* o, float* acc) {
+                const float* k, const float* e, const float* v, float beta, float* o, float* acc,
+                const NextState& next) {
   const bool src16 = src.dtype == DType::bf16, dst16 = dst.dtype == DType::bf16;
   if (src16 && dst16)
-    slot_token<uint16_t, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+    slot_token<uint16_t, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
   else if (src16)
-    slot_token<uint16_t, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+    slot_token<uint16_t, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
   else if (dst16)
-    slot_token<float, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+    slot_token<float, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
   else
-    slot_token<float, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc);
+    slot_token<float, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
 }
 
 // The working state of one (request, head), in the state's own layout: the pool itself when an
@@ -420,7 +452,7 @@ StateRows rows_of(const core::Plan& plan, const core::StateRef& states, int64_t 
 }
 
 void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, int64_t n,
-                 int64_t hv, DecodeWork& w) {
+                 int64_t hv, DecodeWork& w, const NextState& next) {
   const core::Sequence& seq = plan.sequences[n];
   const int64_t V = plan.V, Kp = w.Kp, Vp = w.Vp;
   if (!plan.padding.empty() && plan.padding[n]) {
@@ -468,7 +500,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
     for (int64_t c = 0; c < Kp; c += lanes())
       hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.e.data() + c)), d, w.e.data() + c);
     slot_token(plan, head_state(plan, initial, hv), head_state(plan, single_dst, hv), w.q.data(), w.k.data(),
-               w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.acc.data());
+               w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.acc.data(), next);
     store_row(out.o, seq.batch_index, seq.first_token, hv, V, w.o.data());
     return;
   }
@@ -488,20 +520,33 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
       const float* v = w.v.data() + i * Vp;
       float* o = w.o.data() + i * Vp;
       const StateRows src = t == 0 ? first_source : StateRows{};
+      const NextState ahead = t == seq.length - 1 ? next : NextState{};  // during the item's last token
       StateRows dst;  // the state stored after this token, if any
       if (plan.decode_columns > 1)
         dst = rows_of(plan, plan.token_states[static_cast<size_t>(n * plan.decode_columns + t)], hv);
       else if (t == seq.length - 1 && !s.in_place)
         dst = rows_of(plan, plan.final[n], hv);
       if (plan.v_first())
-        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o, src, dst);
+        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o, src, dst,
+                      ahead);
       else
         token_k_first(s.S, plan.K, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o,
-                      w.acc.data(), src, dst);
+                      w.acc.data(), src, dst, ahead);
     }
     for (int64_t i = 0; i < count; ++i)
       store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
   }
+}
+
+// The state item (n, hv) reads first: its initial state's head (none for padding rows and requests
+// without one).
+NextState first_state_of(const core::Plan& plan, int64_t n, int64_t hv) {
+  if (!plan.padding.empty() && plan.padding[n]) return {};
+  const core::StateRef& initial = plan.initial[n];
+  if (!initial || plan.sequences[n].length == 0) return {};
+  const core::StateRef head = head_state(plan, initial, hv);
+  const size_t element = head.dtype == DType::bf16 ? 2 : 4;
+  return {static_cast<const char*>(head.data), static_cast<size_t>(plan.K * plan.V) * element};
 }
 
 }  // namespace
@@ -509,8 +554,17 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
 void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
-  run.parallel_for(items, [&](int64_t item, int worker) {
-    decode_item(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)]);
+  // Each worker takes a contiguous share of the (request, head) items, so that it knows the state it
+  // reads next and fetches it while the current item computes (NextState). Items cost the same,
+  // up to the tokens of a request, so equal shares balance.
+  const int64_t shares = std::min<int64_t>(items, run.threads());
+  run.parallel_for(shares, [&](int64_t share, int worker) {
+    const int64_t first = items * share / shares, last = items * (share + 1) / shares;
+    for (int64_t item = first; item < last; ++item) {
+      const NextState next =
+          item + 1 < last ? first_state_of(plan, (item + 1) / plan.HV, (item + 1) % plan.HV) : NextState{};
+      decode_item(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)], next);
+    }
   });
 }
 
