@@ -30,24 +30,27 @@ does 3.0x the forward's FLOPs).
   runs its local forward from its true entering state. The critical path of the forward is
       T / W * (F(V + K) + F(V)) + (W - 1) * 2 K^2 V   per head,
   against T * F(V) unsplit: at K = V the forward alone gains W / 3 (two segments are slower than one,
-  0.67x). The backward adds, on a rank whose only sequence continues both ways, delta (the entering
-  state's gradient from its own outputs) before its local backward: the adjoint sum_t R_t dO_t^T of
-  the readout R_t = scale M_t^T q_t that its forward's transition returned (docs/math.md), 2 K V
-  FLOPs per token and head (one GEMM; the readout costs T / W * HV * K fp32 values of memory from
-  the forward to the backward), then the local backward, and the chaining of gradients back
-  (another (W - 1) * 2 K^2 V):
+  0.67x). The backward needs, on every rank whose first sequence began on an earlier rank, delta
+  (that sequence's entering state's gradient from this rank's outputs) before any local backward:
+  the adjoint sum_t R_t dO_t^T of the readout R_t = scale M_t^T q_t of the sequence's transition
+  (docs/math.md), which the forward computes (with the maps where the sequence also runs on; the last
+  rank's own transition call runs while it would wait for the earlier ranks' maps, so the critical
+  path above is unchanged); 2 K V FLOPs per token and head in the backward (one GEMM; the readout
+  keeps T / W * HV * K fp32 values from the forward to the backward). Then every rank runs its local
+  backward at once, after the chaining of gradients back (another (W - 1) * 2 K^2 V):
       T / W * (F(V + K) + F(V) + B + 2 K V) + 2 (W - 1) * 2 K^2 V   against   T * (F(V) + B),
-  at K = V about 0.64 W for forward+backward (0.44 W when delta took an extra local backward). The
-  exchange adds the all-gathers: HV K (K + V) fp32 values per rank forward, HV K V backward, plus a
-  status of 11 int64s before each call.
+  at K = V about 0.64 W for forward+backward (0.44 W when delta took an extra local backward, and
+  no gain at all at W = 2 when the last rank's delta came from its own local backward, which the
+  first rank then waited for). The exchange adds the all-gathers: HV K (K + V) fp32 values per rank
+  forward, HV K V backward, plus a status of 11 int64s before each call.
 Part 2 fills the model with this machine's measured per-token times (F(V), F(V + K) and B from the
 one-process run and the transition timing, the chain from the measured chaining, the exchange from
 the measured all-gather time per byte) to predict 8 and 64 ranks.
 
 Timings are medians over --reps; the ranks start each repetition together (a barrier). A rank's
-"exchange" share includes its wait for the other ranks (rank 0 computes a transition that the last
-rank does not, so the last rank waits). --quick: a small T, a smoke test of the script (its figures
-mean nothing).
+"exchange" share includes its wait for the other ranks (without a gradient the last rank computes no
+transition, so it waits for rank 0's; with one it computes its first sequence's readout then).
+--quick: a small T, a smoke test of the script (its figures mean nothing).
 """
 
 import argparse

@@ -25,12 +25,13 @@ local forward from it. Backward: a rank whose first sequence came from earlier r
 ``delta``, the gradient of that sequence's entering state from its own outputs alone; the ranks
 all-gather these; the gradient of the state leaving rank r's last sequence is chained back over the
 later ranks of the sequence, ``G_r = M_{r+1}^T G_{r+1} + delta_{r+1}``, and the ordinary local
-backward runs with it as the final state's gradient. When that first sequence ends on the rank,
-``delta`` comes from its own backward (the local backward's first piece, which needs no ``G``).
-A "middle" rank, whose only sequence runs over both its ends, needs ``delta`` before its backward
-can start (``G`` must come first); its forward's transition then also returns the readout
-``R_t = scale M_t^T q_t`` (``T * HV * K`` fp32 values kept for the backward), and
-``delta = sum_t R_t dO_t^T``, one batched matrix product, replaces an extra local backward.
+backward runs with it as the final state's gradient. ``delta`` is the adjoint of the first sequence's
+transition: when a gradient is recorded, the forward also computes that transition's readout
+``R_t = scale M_t^T q_t`` (``L * HV * K`` fp32 values for the first sequence's L tokens, kept for the
+backward; one call with the maps on a rank whose only sequence runs over both its ends), before the
+exchange, while the rank would otherwise wait for the earlier ranks' maps; the backward's
+``delta = sum_t R_t dO_t^T`` is then one batched matrix product, so no rank's backward waits for
+another rank's backward: each exchanges its delta at once and runs one local backward.
 
 Restrictions (fla-core 0.6.0's, with its exception types): B = 1 varlen; ``initial_state`` and
 ``output_final_state`` are refused (``AssertionError``); the contiguous layout only. Every rank of the
@@ -495,7 +496,7 @@ class Call:
     def forward(self, path, q, k, v, g, beta, A_log, dt_bias, options, grad):
         """The CP forward on the prepared tensors (kda.functional._run): returns o."""
         c = self.context
-        transition = None
+        transition = readout = None
         try:
             if q.dtype == torch.float64:
                 raise _error(
@@ -510,21 +511,37 @@ class Call:
             options = options._replace(state_v_first=False)
             problem = _ops.prepare(q, v, options)
             self.facts[5] = int(grad)
+            first_length = int(c.cu_seqlens[1])
             if c.continues_into_next:
-                # A middle rank (its only sequence continues both ways) recording a gradient keeps
-                # the readout R for its backward's delta (_Parallel.backward).
+                # A rank whose only sequence continues both ways takes its readout from this call.
                 last = problem.num_sequences - 1
                 middle = grad and c.continues_from_previous and last == 0
-                length = q.shape[1] if middle else None
                 with torch.no_grad(), _timed("transition"):
-                    transition = _ops.segment_transition(
-                        problem, q, k, v, g, beta, A_log, dt_bias, last, readout_length=length
+                    M, S_local, readout = _ops.segment_transition(
+                        problem,
+                        q,
+                        k,
+                        v,
+                        g,
+                        beta,
+                        A_log,
+                        dt_bias,
+                        last,
+                        readout_length=first_length if middle else None,
                     )
+                transition = (M, S_local)
+            if grad and c.continues_from_previous and readout is None:
+                # The first sequence's readout, for the backward's delta: computed now, before the
+                # exchange, where this rank would wait for the earlier ranks' maps.
+                with torch.no_grad(), _timed("transition"):
+                    readout = _ops.segment_transition(
+                        problem, q, k, v, g, beta, A_log, dt_bias, 0, readout_length=first_length
+                    )[2]
         except Exception as error:
             self.exchange(error)
             raise
         self.exchange()
-        plan = _Plan(self, options, problem, transition)
+        plan = _Plan(self, options, problem, transition, readout)
         return _Parallel.apply(plan, q, k, v, g, beta, A_log, dt_bias)
 
 
@@ -533,12 +550,12 @@ class Call:
 
 class _Plan:
     """What a CP call's forward and backward share: the context, the problem options, the maps, and
-    on a middle rank the readout R [T, HV, K] of its transition (the adjoint: delta = R^T dO)."""
+    the readout R [L, HV, K] of the first sequence's transition when it began on an earlier rank and a
+    gradient is recorded (the adjoint: delta = R^T dO)."""
 
-    def __init__(self, call, options, problem, transition):
+    def __init__(self, call, options, problem, transition, readout):
         self.call, self.options, self.problem = call, options, problem
-        self.transition = None if transition is None else transition[:2]
-        self.readout = None if transition is None else transition[2]
+        self.transition, self.readout = transition, readout
         self.context = call.context
         self.HV, self.S = problem.state_shape[0], problem.state_shape[1:]  # (K, V), K-first
         self.any_crossing = any(self.context.crossing)
@@ -624,39 +641,28 @@ class _Parallel(torch.autograd.Function):
         d_o = d_o.contiguous() if d_o.stride(-1) != 1 else d_o
         cu = c.cu_seqlens.tolist()
         n, T = len(cu) - 1, cu[-1]
-        # The first sequence, when it began on an earlier rank, gives delta: the gradient of its
-        # entering state from this rank's outputs alone. When it is not also a sequence that runs on
-        # into the next rank, that backward is its final one; otherwise (a middle rank) delta is the
-        # adjoint of the forward's transition, sum_t R_t dO_t^T per value head (K-first).
-        first_alone = c.continues_from_previous and not (n == 1 and c.continues_into_next)
-        pieces, delta = [], None
-        if first_alone:
-            grads = _backward(plan, (q, k, v, g, beta, d_o), A_log, dt_bias, h0, chunks, 0, cu[1], None, True)
-            delta = grads[5][0]
-            pieces.append(grads)
-        elif c.continues_from_previous:
+        # delta, the gradient of the state entering the first sequence (when it began on an earlier
+        # rank) from this rank's outputs alone: the adjoint of its transition, sum_t R_t dO_t^T per
+        # value head (K-first), exchanged before any local backward runs.
+        delta = None
+        if c.continues_from_previous:
             with _timed("local"):
-                R = plan.readout.permute(1, 2, 0)  # [HV, K, T]
-                delta = torch.bmm(R, d_o[0].transpose(0, 1).to(torch.float32))  # [HV, K, V]
+                R = plan.readout.permute(1, 2, 0)  # [HV, K, L]
+                delta = torch.bmm(R, d_o[0, : cu[1]].transpose(0, 1).to(torch.float32))  # [HV, K, V]
         G = plan.leaving_gradient(delta)
-        start = cu[1] if first_alone else 0
-        if start < T:
-            d_final = None
-            if c.continues_into_next:
-                d_final = torch.zeros(len(cu) - 1 - (1 if first_alone else 0), plan.HV, *plan.S)
-                d_final[-1] = G
-            pieces.append(
-                _backward(plan, (q, k, v, g, beta, d_o), A_log, dt_bias, h0, chunks, start, T, d_final, False)
-            )
-        dq, dk, dv, dg, dbeta = (
-            pieces[0][i] if len(pieces) == 1 else torch.cat([p[i] for p in pieces], dim=1) for i in range(5)
+        d_final = None
+        if c.continues_into_next:
+            d_final = torch.zeros(n, plan.HV, *plan.S)
+            d_final[-1] = G
+        dq, dk, dv, dg, dbeta, _, dA_part, dbias_part = _backward(
+            plan, (q, k, v, g, beta, d_o), A_log, dt_bias, h0, chunks, 0, T, d_final, False
         )
         fused = plan.options.gate != "log_decay"
         dA = dbias = None
         if fused and A_log is not None:
-            dA = sum(p[6] for p in pieces)
+            dA = dA_part
         if fused and dt_bias is not None:
-            dbias = sum(p[7] for p in pieces)
+            dbias = dbias_part
         return None, dq, dk, dv, dg, dbeta, dA, dbias
 
 
