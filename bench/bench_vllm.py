@@ -6,8 +6,9 @@ Two random stacks of the same sizes, served by vLLM's CPU build (run with the vL
   - Qwen3-Next-shaped: Gated DeltaNet layers of 32 heads of 128 (vLLM's native CPU kernels), one
     full-attention layer, the same MoE.
 For each, at batch 1, 8 and 32: prefill tokens/s (``--prompt`` tokens per request, one step) and decode
-tokens/s (``--decode`` generated tokens per request), and the share of the step time spent in the
-linear-attention layers (their forward, timed inside the engine).
+tokens/s (``--decode`` generated tokens per request), and the time and share of the step time spent in
+the linear-attention layers (their forward, timed inside the engine). Every engine step of a generate
+call is timed: its first step is the prefill, the others decode steps; the median of ``--reps`` calls.
 
     bash scripts/setup_vllm.sh
     .venv-vllm/bin/python bench/bench_vllm.py --threads 2            # the figures (minutes)
@@ -149,7 +150,7 @@ def _timed(cls, timer):
     cls.forward = timed_forward
 
 
-def run(path, kind, batches, prompt, decode, threads):
+def run(path, kind, batches, prompt, decode, threads, reps):
     """One model: prefill and decode at each batch size; prints one JSON line."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -181,28 +182,44 @@ def run(path, kind, batches, prompt, decode, threads):
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
     ids = [4 + (7 * i) % (vocab - 4) for i in range(prompt)]
+    # Every engine step timed, with the linear-attention layers' time inside it: the first step of a
+    # generate call is the prefill (max_num_batched_tokens holds every prompt), the rest decode steps.
+    steps = []
+    engine_step = llm.llm_engine.step
+
+    def timed_step():
+        start, layer = time.perf_counter(), timer[0]
+        try:
+            return engine_step()
+        finally:
+            steps.append((time.perf_counter() - start, timer[0] - layer))
+
+    llm.llm_engine.step = timed_step
     rows = []
     for batch in batches:
         prompts = [{"prompt_token_ids": ids[i % 7 :] + ids[: i % 7]} for i in range(batch)]
-        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        llm.generate(prompts, one, use_tqdm=False)  # warm-up
-        timer[0] = 0.0
-        start = time.perf_counter()
-        llm.generate(prompts, one, use_tqdm=False)
-        prefill_s, prefill_layer = time.perf_counter() - start, timer[0]
-        many = SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True)
-        timer[0] = 0.0
-        start = time.perf_counter()
-        llm.generate(prompts, many, use_tqdm=False)
-        total_s, total_layer = time.perf_counter() - start, timer[0]
-        decode_s = max(total_s - prefill_s, 1e-9)
+        params = SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        runs = []
+        for _ in range(reps):
+            steps.clear()
+            llm.generate(prompts, params, use_tqdm=False)
+            busy = [s for s in steps if s[0] > 0]
+            prefill, rest = busy[0], busy[1:]
+            runs.append((prefill[0], prefill[1], sum(s[0] for s in rest), sum(s[1] for s in rest), len(rest)))
+        # the median run by its total time (its prefill and decode figures belong together)
+        runs.sort(key=lambda r: r[0] + r[2])
+        prefill_s, prefill_layer, decode_s, decode_layer, decode_steps = runs[len(runs) // 2]
         rows.append(
             dict(
                 batch=batch,
                 prefill_tok_s=batch * prompt / prefill_s,
                 prefill_linear_share=prefill_layer / prefill_s,
+                prefill_linear_ms=1e3 * prefill_layer,
                 decode_tok_s=batch * decode / decode_s,
-                decode_linear_share=max(total_layer - prefill_layer, 0.0) / decode_s,
+                decode_linear_share=decode_layer / decode_s,
+                decode_linear_ms_per_step=1e3 * decode_layer / max(decode_steps, 1),
+                decode_steps=decode_steps,
             )
         )
     print("RESULT " + json.dumps(rows), flush=True)
@@ -216,6 +233,7 @@ def main():
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--decode", type=int, default=32, help="generated tokens per request")
+    parser.add_argument("--reps", type=int, default=3, help="timed generate calls per batch (the median)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--write", nargs=2, metavar=("CHECKPOINT", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--run", nargs=2, metavar=("CHECKPOINT", "KIND"), help=argparse.SUPPRESS)
@@ -225,7 +243,7 @@ def main():
         write_checkpoint(args.write[0], json.loads(args.write[1]))
         return
     if args.run:
-        run(args.run[0], args.run[1], batches, args.prompt, args.decode, args.threads)
+        run(args.run[0], args.run[1], batches, args.prompt, args.decode, args.threads, args.reps)
         return
     sizes = TINY if args.tiny else SIZES
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -250,6 +268,8 @@ def main():
                     str(args.decode),
                     "--threads",
                     str(args.threads),
+                    "--reps",
+                    str(args.reps),
                 ],
                 env=env,
                 capture_output=True,
@@ -260,13 +280,30 @@ def main():
                 sys.exit(f"bench_vllm: the {kind} run failed:\n{proc.stderr[-4000:]}")
             results[kind] = json.loads(lines[-1][len("RESULT ") :])
     name = {"kimi": "Kimi Linear, KDA on kda", "qwen": "Qwen3-Next, vLLM's CPU GDN"}
-    print(f"sizes {sizes}, {args.threads} threads, prompt {args.prompt}, decode {args.decode}")
-    print(f"{'model':30} {'batch':>5} {'prefill tok/s':>14} {'share':>6} {'decode tok/s':>13} {'share':>6}")
+    print(
+        f"sizes {sizes}, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
+        f"median of {args.reps} generate calls"
+    )
+    print(
+        "\n| model | batch | prefill tok/s | linear layers, prefill ms | share | decode tok/s "
+        "| linear layers, ms per decode step | share |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind, rows in results.items():
         for r in rows:
             print(
-                f"{name[kind]:30} {r['batch']:5d} {r['prefill_tok_s']:14.1f} {r['prefill_linear_share']:6.1%}"
-                f" {r['decode_tok_s']:13.1f} {r['decode_linear_share']:6.1%}"
+                f"| {name[kind]} | {r['batch']} | {r['prefill_tok_s']:.1f} | {r['prefill_linear_ms']:.1f} "
+                f"| {r['prefill_linear_share']:.1%} | {r['decode_tok_s']:.1f} "
+                f"| {r['decode_linear_ms_per_step']:.2f} | {r['decode_linear_share']:.1%} |"
+            )
+    if "kimi" in results and "qwen" in results:
+        print("\nThe target: KDA layers on kda take no more time per step than vLLM's native GDN layers")
+        print("| batch | prefill: KDA / GDN layer time | decode: KDA / GDN layer time per step |")
+        print("| --- | --- | --- |")
+        for kimi, qwen in zip(results["kimi"], results["qwen"], strict=True):
+            print(
+                f"| {kimi['batch']} | {kimi['prefill_linear_ms'] / qwen['prefill_linear_ms']:.2f} "
+                f"| {kimi['decode_linear_ms_per_step'] / qwen['decode_linear_ms_per_step']:.2f} |"
             )
 
 

@@ -13,10 +13,12 @@
 // Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
 // bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
 // stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
-// two AVX2 cores). Every state is read from the pool once and written once per stored state: an
-// fp32 state that goes back to the slot it came from (the usual one-token step) is updated in place
-// in the pool; otherwise (a bf16 pool, another slot, per-token states) the token kernels convert each
-// group of rows into an fp32 working copy as they first touch it and out of it as they finish it.
+// two AVX2 cores), and each worker, taking a contiguous share of the (request, head) items, fetches
+// its next item's state into L2 while the current one computes (NextState). Every state is read
+// from the pool once and written once per stored state: an fp32 state that goes back to the slot it
+// came from (the usual one-token step) is updated in place in the pool; otherwise (a bf16 pool,
+// another slot, per-token states) the token kernels convert each group of rows into an fp32 working
+// copy as they first touch it and out of it as they finish it.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
