@@ -8,7 +8,8 @@ Two random stacks of the same sizes, served by vLLM's CPU build (run with the vL
 For each, at batch 1, 8 and 32: prefill tokens/s (``--prompt`` tokens per request, one step) and decode
 tokens/s (``--decode`` generated tokens per request), and the time and share of the step time spent in
 the linear-attention layers (their forward, timed inside the engine). Every engine step of a generate
-call is timed: its first step is the prefill, the others decode steps; the median of ``--reps`` calls.
+call is timed: a step whose batch held prefill tokens counts as prefill (the layers report it), the
+others as decode steps; the median of ``--reps`` calls.
 
     bash scripts/setup_vllm.sh
     .venv-vllm/bin/python bench/bench_vllm.py --threads 2            # the figures (minutes)
@@ -138,7 +139,9 @@ def write_checkpoint(path, config):
 
 
 def _timed(cls, timer):
+    """Times cls.forward into timer[0]; sets timer[1] when a call's batch held prefill tokens."""
     forward = cls.forward
+    from vllm.forward_context import get_forward_context
 
     def timed_forward(self, *args, **kwargs):
         start = time.perf_counter()
@@ -146,6 +149,10 @@ def _timed(cls, timer):
             return forward(self, *args, **kwargs)
         finally:
             timer[0] += time.perf_counter() - start
+            metadata = get_forward_context().attn_metadata
+            m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+            if m is not None and getattr(m, "num_prefills", 0) > 0:
+                timer[1] = True
 
     cls.forward = timed_forward
 
@@ -157,7 +164,7 @@ def run(path, kind, batches, prompt, decode, threads, reps):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     from vllm import LLM, SamplingParams
 
-    timer = [0.0]
+    timer = [0.0, False]  # seconds in the linear layers; whether this step had prefill tokens
     if kind == "kimi":
         import kda.vllm
         import kda.vllm.layer
@@ -182,17 +189,19 @@ def run(path, kind, batches, prompt, decode, threads, reps):
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
     ids = [4 + (7 * i) % (vocab - 4) for i in range(prompt)]
-    # Every engine step timed, with the linear-attention layers' time inside it: the first step of a
-    # generate call is the prefill (max_num_batched_tokens holds every prompt), the rest decode steps.
+    # Every engine step timed, with the linear-attention layers' time inside it; a step whose batch
+    # held prefill tokens (the prefill of a batch may take several steps: the scheduler's token
+    # budget) counts as prefill, the others as decode steps.
     steps = []
     engine_step = llm.llm_engine.step
 
     def timed_step():
         start, layer = time.perf_counter(), timer[0]
+        timer[1] = False
         try:
             return engine_step()
         finally:
-            steps.append((time.perf_counter() - start, timer[0] - layer))
+            steps.append((time.perf_counter() - start, timer[0] - layer, timer[1]))
 
     llm.llm_engine.step = timed_step
     rows = []
@@ -204,12 +213,21 @@ def run(path, kind, batches, prompt, decode, threads, reps):
         for _ in range(reps):
             steps.clear()
             llm.generate(prompts, params, use_tqdm=False)
-            busy = [s for s in steps if s[0] > 0]
-            prefill, rest = busy[0], busy[1:]
-            runs.append((prefill[0], prefill[1], sum(s[0] for s in rest), sum(s[1] for s in rest), len(rest)))
+            head = [s for s in steps if s[2]]
+            rest = [s for s in steps if not s[2] and s[1] > 0]  # (steps that ran no layer: none)
+            runs.append(
+                (
+                    sum(s[0] for s in head),
+                    sum(s[1] for s in head),
+                    sum(s[0] for s in rest),
+                    sum(s[1] for s in rest),
+                    len(rest),
+                    len(head),
+                )
+            )
         # the median run by its total time (its prefill and decode figures belong together)
         runs.sort(key=lambda r: r[0] + r[2])
-        prefill_s, prefill_layer, decode_s, decode_layer, decode_steps = runs[len(runs) // 2]
+        prefill_s, prefill_layer, decode_s, decode_layer, decode_steps, prefill_steps = runs[len(runs) // 2]
         rows.append(
             dict(
                 batch=batch,
@@ -220,6 +238,7 @@ def run(path, kind, batches, prompt, decode, threads, reps):
                 decode_linear_share=decode_layer / decode_s,
                 decode_linear_ms_per_step=1e3 * decode_layer / max(decode_steps, 1),
                 decode_steps=decode_steps,
+                prefill_steps=prefill_steps,
             )
         )
     print("RESULT " + json.dumps(rows), flush=True)
@@ -285,15 +304,16 @@ def main():
         f"median of {args.reps} generate calls"
     )
     print(
-        "\n| model | batch | prefill tok/s | linear layers, prefill ms | share | decode tok/s "
-        "| linear layers, ms per decode step | share |"
+        "\n| model | batch | prefill steps | prefill tok/s | linear layers, prefill ms | share "
+        "| decode steps | decode tok/s | linear layers, ms per decode step | share |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind, rows in results.items():
         for r in rows:
             print(
-                f"| {name[kind]} | {r['batch']} | {r['prefill_tok_s']:.1f} | {r['prefill_linear_ms']:.1f} "
-                f"| {r['prefill_linear_share']:.1%} | {r['decode_tok_s']:.1f} "
+                f"| {name[kind]} | {r['batch']} | {r['prefill_steps']} | {r['prefill_tok_s']:.1f} "
+                f"| {r['prefill_linear_ms']:.1f} | {r['prefill_linear_share']:.1%} | {r['decode_steps']} "
+                f"| {r['decode_tok_s']:.1f} "
                 f"| {r['decode_linear_ms_per_step']:.2f} | {r['decode_linear_share']:.1%} |"
             )
     if "kimi" in results and "qwen" in results:
