@@ -11,6 +11,7 @@ a smooth function of the model's arithmetic. The reference is transformers' Kimi
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -102,6 +104,7 @@ def test_plain_and_mixed_batches_float32(checkpoint):
     # every KDA layer ran on kda: 3 KDA layers per step, each one kda call validated by the engine
     assert counts["prefill"] > 0 and counts["decode"] > 0
     assert counts["validations"] >= counts["prefill"] + counts["decode"] > 0
+    assert counts["native_conv"] == 0  # vLLM's C++ convolution takes bf16 only: the torch ops ran
 
 
 def test_batch_position_and_bf16(checkpoint):
@@ -114,6 +117,11 @@ def test_batch_position_and_bf16(checkpoint):
     first, third = run["results"][0], run["results"][2]
     assert first["ids"] == third["ids"]
     assert max(abs(a - b) for a, b in zip(first["logprobs"], third["logprobs"], strict=True)) <= 1e-3
+    # on CPUs with AVX-512 BF16 (or Arm BF16) the short convolution ran on vLLM's C++ ops, as for GDN
+    native = torch.cpu._is_avx512_bf16_supported() or (
+        platform.machine() == "aarch64" and torch.cpu.get_capabilities().get("bf16", False)
+    )
+    assert (run["counts"]["native_conv"] > 0) == native
 
 
 def test_speculative_decoding_float32(checkpoint):

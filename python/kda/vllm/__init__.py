@@ -25,9 +25,10 @@ __all__ = ["VLLM_VERSION", "counts", "register"]
 #: The vLLM release the plugin's layer and mends are written against.
 VLLM_VERSION = "0.32.0"
 
-#: How many times the KDA layers called each kda entry in this process (prefill, decode, spec), and
-#: how many steps started new requests from zeros in speculative rows (fresh): tests read it.
-counts = {"prefill": 0, "decode": 0, "spec": 0, "fresh": 0}
+#: How many times the KDA layers called each kda entry in this process (prefill, decode, spec), how
+#: many steps started new requests from zeros in speculative rows (fresh), and how many prefill or
+#: decode calls ran their short convolution on vLLM's C++ ops (native_conv): tests read it.
+counts = {"prefill": 0, "decode": 0, "spec": 0, "fresh": 0, "native_conv": 0}
 
 _log = logging.getLogger("kda.vllm")
 _registered = False

@@ -75,6 +75,15 @@ def _make_layer_class():
         causal_conv1d_fn_cpu,
         causal_conv1d_update_cpu,
     )
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (
+        _causal_conv1d_fwd_cpu as native_conv_prefill,
+    )
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (
+        _causal_conv1d_update_cpu as native_conv_decode,
+    )
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+
+    native_conv_cpu = torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
 
     class KdaKimiDeltaAttention(KimiGatedDeltaNetAttention):
         """Kimi Linear's KDA layer, its core on kda (see the module's docstring)."""
@@ -85,6 +94,30 @@ def _make_layer_class():
             super().__init__(*args, **kwargs)
             # Kimi's MLA module, imported only once a model is built (see kda.vllm.mends)
             mends.apply_model_mends(args[1] if len(args) > 1 else kwargs.get("vllm_config"))
+            self._kda_native_conv_weight = None
+
+        def _native_conv_weight(self, x):
+            """The conv weight packed for vLLM's C++ short convolution, or None where that op does
+            not serve this step (then vLLM's torch-level CPU ops run).
+
+            vLLM's GDN layers run their short convolution with C++ ops (``causal_conv1d_fwd_cpu``,
+            ``causal_conv1d_update_cpu``: bf16 activations, a packed bf16 weight) on CPUs with
+            AVX-512 BF16 (or Arm with BF16): 36x faster than the torch loop at a 512-token prefill
+            and 17x at a one-token decode step, measured at this layer's 3 x 4096 channels. Kimi's
+            layer keeps its conv weight in float32 (so vLLM never packs it) and its torch path is
+            all Kimi gets. In a bf16 engine the activations entering and leaving the convolution are
+            bf16 already; rounding the weight to bf16 as well adds one more rounding of the same
+            size (the test's bf16 budget counts it), and the float32 engine keeps the torch ops.
+            """
+            if not native_conv_cpu or x.dtype != torch.bfloat16 or self.conv1d.weight.shape[-1] != 4:
+                return None
+            if self._kda_native_conv_weight is None:
+                from vllm import _custom_ops as ops
+
+                w = self.conv1d.weight
+                unpacked = w.detach().view(w.shape[0], w.shape[-1]).to(torch.bfloat16).contiguous()
+                self._kda_native_conv_weight = ops.causal_conv1d_weight_pack(unpacked)
+            return self._kda_native_conv_weight
 
         def _kda_options(self):
             return dict(
@@ -174,21 +207,37 @@ def _make_layer_class():
                 counts["spec"] += 1
 
             if not only_spec:
+                native = self._native_conv_weight(qkv_ns)
+                if native is not None:
+                    counts["native_conv"] += 1
                 indices = m.non_spec_state_indices_tensor
                 if m.num_prefills > 0:
                     qsl = m.non_spec_query_start_loc
                     rows = qsl.shape[0] - 1
                     indices = indices[:rows]
-                    x = causal_conv1d_fn_cpu(
-                        qkv_ns.t(),
-                        weight,
-                        self.conv1d.bias,
-                        conv_state,
-                        qsl,
-                        cache_indices=_slots(indices),
-                        has_initial_state=m.has_initial_state[:rows],
-                        activation="silu",
-                    ).t()
+                    if native is not None:
+                        x = native_conv_prefill(
+                            x=qkv_ns.contiguous().t(),  # the op reads a transposed [T, dim] tensor
+                            weight=native,
+                            bias=self.conv1d.bias,
+                            conv_states=conv_state,
+                            query_start_loc=qsl,
+                            cache_indices=indices,
+                            has_initial_state=m.has_initial_state[:rows],
+                            silu_activation=True,
+                            is_weight_packed=True,
+                        ).t()
+                    else:
+                        x = causal_conv1d_fn_cpu(
+                            qkv_ns.t(),
+                            weight,
+                            self.conv1d.bias,
+                            conv_state,
+                            qsl,
+                            cache_indices=_slots(indices),
+                            has_initial_state=m.has_initial_state[:rows],
+                            activation="silu",
+                        ).t()
                     q, k, v = (_heads(t, D) for t in x.split(self.local_projection_size, dim=-1))
                     out_ns, _ = kda.chunk_kda(
                         q,
@@ -206,14 +255,25 @@ def _make_layer_class():
                 else:
                     rows = qkv_ns.shape[0]
                     indices = indices[:rows]
-                    x = causal_conv1d_update_cpu(
-                        qkv_ns,
-                        conv_state[:, :, : width - 1],
-                        weight,
-                        self.conv1d.bias,
-                        activation="silu",
-                        conv_state_indices=indices,
-                    )
+                    if native is not None:
+                        x = native_conv_decode(
+                            x=qkv_ns.contiguous(),
+                            conv_states=conv_state[:, :, : width - 1],
+                            weight=native,
+                            bias=self.conv1d.bias,
+                            silu_activation=True,
+                            conv_state_indices=indices,
+                            is_weight_packed=True,
+                        )
+                    else:
+                        x = causal_conv1d_update_cpu(
+                            qkv_ns,
+                            conv_state[:, :, : width - 1],
+                            weight,
+                            self.conv1d.bias,
+                            activation="silu",
+                            conv_state_indices=indices,
+                        )
                     q, k, v = (
                         t.unflatten(-1, (-1, D)).unsqueeze(1)
                         for t in x.split(self.local_projection_size, dim=-1)
