@@ -5,6 +5,9 @@ Two random stacks of the same sizes, served by vLLM's CPU build (run with the vL
     layer, a small MoE;
   - Qwen3-Next-shaped: Gated DeltaNet layers of 32 heads of 128 (vLLM's native CPU kernels), one
     full-attention layer, the same MoE.
+The Kimi stack runs twice: with vLLM's default recurrent state for KDA (float32) and with a bf16
+state (``mamba_ssm_cache_dtype="bfloat16"``), which is vLLM's default for GDN (the model's dtype):
+the same state bytes per step as the Qwen stack.
 For each, at batch 1, 8 and 32: prefill tokens/s (``--prompt`` tokens per request, one step) and decode
 tokens/s (``--decode`` generated tokens per request), and the time and share of the step time spent in
 the linear-attention layers (their forward, timed inside the engine). Every engine step of a generate
@@ -157,7 +160,7 @@ def _timed(cls, timer):
     cls.forward = timed_forward
 
 
-def run(path, kind, batches, prompt, decode, threads, reps):
+def run(path, kind, batches, prompt, decode, threads, reps, state_dtype):
     """One model: prefill and decode at each batch size; prints one JSON line."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -186,6 +189,7 @@ def run(path, kind, batches, prompt, decode, threads, reps):
         max_num_batched_tokens=max(batches) * (prompt + 16),
         dtype="bfloat16",
         seed=0,
+        **({} if state_dtype == "auto" else {"mamba_ssm_cache_dtype": state_dtype}),
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
     ids = [4 + (7 * i) % (vocab - 4) for i in range(prompt)]
@@ -256,49 +260,66 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--write", nargs=2, metavar=("CHECKPOINT", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--run", nargs=2, metavar=("CHECKPOINT", "KIND"), help=argparse.SUPPRESS)
+    parser.add_argument("--state-dtype", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.write:
         write_checkpoint(args.write[0], json.loads(args.write[1]))
         return
     if args.run:
-        run(args.run[0], args.run[1], batches, args.prompt, args.decode, args.threads, args.reps)
+        run(
+            args.run[0],
+            args.run[1],
+            batches,
+            args.prompt,
+            args.decode,
+            args.threads,
+            args.reps,
+            args.state_dtype,
+        )
         return
     sizes = TINY if args.tiny else SIZES
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
-        for kind, config in (("kimi", kimi_config(sizes)), ("qwen", qwen_config(sizes))):
-            path = os.path.join(tmp, kind)
+        configs = {"kimi": kimi_config(sizes), "qwen": qwen_config(sizes)}
+        for kind, config in configs.items():
             done = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--write", path, json.dumps(config)],
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--write",
+                    os.path.join(tmp, kind),
+                    json.dumps(config),
+                ],
                 env=env,
                 capture_output=True,
                 text=True,
             )
             if done.returncode != 0:
                 sys.exit(f"bench_vllm: writing the {kind} checkpoint failed:\n{done.stderr[-4000:]}")
+        for label, kind, state_dtype in (
+            ("kimi", "kimi", "auto"),
+            ("kimi_bf16", "kimi", "bfloat16"),
+            ("qwen", "qwen", "auto"),
+        ):
             proc = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--run", path, kind, "--batches", args.batches]
-                + [
-                    "--prompt",
-                    str(args.prompt),
-                    "--decode",
-                    str(args.decode),
-                    "--threads",
-                    str(args.threads),
-                    "--reps",
-                    str(args.reps),
-                ],
+                [sys.executable, os.path.abspath(__file__), "--run", os.path.join(tmp, kind), kind]
+                + ["--batches", args.batches, "--prompt", str(args.prompt), "--decode", str(args.decode)]
+                + ["--threads", str(args.threads), "--reps", str(args.reps), "--state-dtype", state_dtype],
                 env=env,
                 capture_output=True,
                 text=True,
             )
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
-                sys.exit(f"bench_vllm: the {kind} run failed:\n{proc.stderr[-4000:]}")
-            results[kind] = json.loads(lines[-1][len("RESULT ") :])
-    name = {"kimi": "Kimi Linear, KDA on kda", "qwen": "Qwen3-Next, vLLM's CPU GDN"}
+                sys.exit(f"bench_vllm: the {label} run failed:\n{proc.stderr[-4000:]}")
+            results[label] = json.loads(lines[-1][len("RESULT ") :])
+    name = {
+        "kimi": "Kimi Linear, KDA on kda (fp32 state)",
+        "kimi_bf16": "Kimi Linear, KDA on kda (bf16 state)",
+        "qwen": "Qwen3-Next, vLLM's CPU GDN (bf16 state)",
+    }
     print(
         f"sizes {sizes}, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
         f"median of {args.reps} generate calls"
@@ -316,13 +337,13 @@ def main():
                 f"| {r['decode_tok_s']:.1f} "
                 f"| {r['decode_linear_ms_per_step']:.2f} | {r['decode_linear_share']:.1%} |"
             )
-    if "kimi" in results and "qwen" in results:
-        print("\nThe target: KDA layers on kda take no more time per step than vLLM's native GDN layers")
-        print("| batch | prefill: KDA / GDN layer time | decode: KDA / GDN layer time per step |")
-        print("| --- | --- | --- |")
-        for kimi, qwen in zip(results["kimi"], results["qwen"], strict=True):
+    print("\nThe target: KDA layers on kda take no more time per step than vLLM's native GDN layers")
+    print("| batch | state | prefill: KDA / GDN layer time | decode: KDA / GDN layer time per step |")
+    print("| --- | --- | --- | --- |")
+    for label, state in (("kimi", "KDA fp32, GDN bf16"), ("kimi_bf16", "both bf16")):
+        for kimi, qwen in zip(results[label], results["qwen"], strict=True):
             print(
-                f"| {kimi['batch']} | {kimi['prefill_linear_ms'] / qwen['prefill_linear_ms']:.2f} "
+                f"| {kimi['batch']} | {state} | {kimi['prefill_linear_ms'] / qwen['prefill_linear_ms']:.2f} "
                 f"| {kimi['decode_linear_ms_per_step'] / qwen['decode_linear_ms_per_step']:.2f} |"
             )
 
