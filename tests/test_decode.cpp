@@ -437,6 +437,39 @@ TEST(DecodeThreads, BitwiseIdenticalOverThreadsRepeatsAndCallers) {
   }
 }
 
+// A step with enough state to be shared among workers (a worker per 4 MiB of fp32-sized state; the
+// small cases above run on one): the same results on 1 to 8 threads, in both layouts.
+TEST(DecodeThreads, LargeStepsSplitAmongWorkersBitwiseIdentical) {
+  for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
+    Case c = parse_case("B=16 T=1 H=8 HV=8 K=128 V=128 regime=strong h0");
+    c.layout = layout;
+    Data d;
+    make_data(c, d);
+    const int64_t slot = c.HV * c.K * c.V;  // 16 requests x 8 heads x 64 KiB: 8 MiB, two workers
+    auto run_once = [&](int threads) {
+      Pool pool(DType::f32, c.B + 1, slot);
+      std::vector<int64_t> indices;
+      for (int64_t n = 0; n < c.B; ++n) {
+        indices.push_back(c.B - n);  // slots in reverse order of the requests
+        pool.set(c.B - n, d.h0.data() + n * slot);
+      }
+      Tensor o(DType::f32, c.B, 1, c.HV, c.V, false);
+      DecodeInputs in;
+      in.fwd = d.inputs();
+      in.fwd.initial_state = nullptr;
+      in.state_indices = make_indices(indices.data(), c.B, 1);
+      DecodeOutputs out;
+      out.o = o.output();
+      RunOptions opt;
+      opt.num_threads = threads;
+      for (int step = 0; step < 3; ++step) decode(d.problem(), in, pool.view(), out, opt);
+      return std::make_pair(pool.bytes(), o.raw());
+    };
+    const auto ref = run_once(1);
+    for (int threads : {2, 3, 8}) EXPECT_EQ(run_once(threads), ref) << threads << " threads";
+  }
+}
+
 // Pooled prefill: the same outputs and final states as the plain call, bit for bit, with the states
 // read from and written to slots; a negative index starts from zeros and stores nothing;
 // has_initial_state = 0 starts from zeros and stores.
