@@ -95,6 +95,17 @@ def _make_layer_class():
             # Kimi's MLA module, imported only once a model is built (see kda.vllm.mends)
             mends.apply_model_mends(args[1] if len(args) > 1 else kwargs.get("vllm_config"))
             self._kda_native_conv_weight = None
+            # The packed copy is made from the loaded weight on first use; a later load (vLLM's
+            # reload_weights, an RL weight update) goes through the parameter's weight_loader, which
+            # then drops the copy so that the next step packs the new weight.
+            weight = self.conv1d.weight
+            loader = weight.weight_loader
+
+            def reloading_loader(*a, **k):
+                self._kda_native_conv_weight = None
+                return loader(*a, **k)
+
+            weight.weight_loader = reloading_loader
 
         def _native_conv_weight(self, x):
             """The conv weight packed for vLLM's C++ short convolution, or None where that op does
