@@ -223,19 +223,25 @@ INSTANTIATE_TEST_SUITE_P(Grid, Decode, ::testing::ValuesIn(sized_for_this_run(de
 struct Small {
   Data d;
   std::vector<int64_t> indices;
-  Pool pool{DType::f32, 10, 2 * 16 * 16};
+  Pool pool;
   Tensor o;
 
-  explicit Small(StateLayout layout = StateLayout::k_first, int64_t T = 2) {
-    Case c = parse_case("B=4 H=1 HV=2 regime=mild h0");
-    c.T = T;
-    c.layout = layout;
+  // Request n in slot 2n + 1 of a pool of 2B + 2 fp32 slots (slot 0 and every even slot unused).
+  explicit Small(StateLayout layout = StateLayout::k_first, int64_t T = 2,
+                 std::string_view spec = "B=4 H=1 HV=2 regime=mild h0")
+      : Small(with(parse_case(spec), layout, T)) {}
+  explicit Small(const Case& c) : pool(DType::f32, 2 * c.B + 2, c.HV * c.K * c.V) {
     make_data(c, d);
     for (int64_t n = 0; n < c.B; ++n) {
       indices.push_back(2 * n + 1);
-      pool.set(2 * n + 1, d.h0.data() + n * 2 * 16 * 16);
+      pool.set(2 * n + 1, d.h0.data() + n * c.HV * c.K * c.V);
     }
-    o = Tensor(DType::f32, c.B, T, 2, 16, false);
+    o = Tensor(DType::f32, c.B, c.T, c.HV, c.V, false);
+  }
+  static Case with(Case c, StateLayout layout, int64_t T) {
+    c.layout = layout;
+    c.T = T;
+    return c;
   }
   DecodeInputs inputs(int64_t cols = 1) const {
     DecodeInputs in;
@@ -438,32 +444,16 @@ TEST(DecodeThreads, BitwiseIdenticalOverThreadsRepeatsAndCallers) {
 }
 
 // A step with enough state to be shared among workers (a worker per 4 MiB of fp32-sized state; the
-// small cases above run on one): the same results on 1 to 8 threads, in both layouts.
+// small cases above run on one): 16 requests x 8 heads x 64 KiB = 8 MiB, two workers. The same
+// results on 1 to 8 threads, in both layouts.
 TEST(DecodeThreads, LargeStepsSplitAmongWorkersBitwiseIdentical) {
   for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
-    Case c = parse_case("B=16 T=1 H=8 HV=8 K=128 V=128 regime=strong h0");
-    c.layout = layout;
-    Data d;
-    make_data(c, d);
-    const int64_t slot = c.HV * c.K * c.V;  // 16 requests x 8 heads x 64 KiB: 8 MiB, two workers
     auto run_once = [&](int threads) {
-      Pool pool(DType::f32, c.B + 1, slot);
-      std::vector<int64_t> indices;
-      for (int64_t n = 0; n < c.B; ++n) {
-        indices.push_back(c.B - n);  // slots in reverse order of the requests
-        pool.set(c.B - n, d.h0.data() + n * slot);
-      }
-      Tensor o(DType::f32, c.B, 1, c.HV, c.V, false);
-      DecodeInputs in;
-      in.fwd = d.inputs();
-      in.fwd.initial_state = nullptr;
-      in.state_indices = make_indices(indices.data(), c.B, 1);
-      DecodeOutputs out;
-      out.o = o.output();
+      Small s(layout, 1, "B=16 H=8 HV=8 K=128 V=128 regime=strong h0");
       RunOptions opt;
       opt.num_threads = threads;
-      for (int step = 0; step < 3; ++step) decode(d.problem(), in, pool.view(), out, opt);
-      return std::make_pair(pool.bytes(), o.raw());
+      for (int step = 0; step < 3; ++step) s.run(s.inputs(), opt);
+      return std::make_pair(s.pool.bytes(), s.o.raw());
     };
     const auto ref = run_once(1);
     for (int threads : {2, 3, 8}) EXPECT_EQ(run_once(threads), ref) << threads << " threads";
