@@ -233,6 +233,8 @@ def _make_layer_class():
                             bias=self.conv1d.bias,
                             conv_states=conv_state,
                             query_start_loc=qsl,
+                            # vLLM's own indices, as its GDN layers pass them: a padding row's
+                            # block 0 is vLLM's null block, scratch that no request reads
                             cache_indices=indices,
                             has_initial_state=m.has_initial_state[:rows],
                             silu_activation=True,
