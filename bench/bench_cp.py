@@ -8,7 +8,10 @@ Part 1, threads: one sequence of one head (B=1, H=1, T, K, V, fp32), the prefill
 (kda.chunk_kda, no gradient) on 1 and 2 threads. With fewer (sequence, head) items than threads the
 recurrent forward shares the head's state columns among the threads (docs/math.md, "Segment
 transitions"); the segment transition of the sequence's first half (kda.engine.segment_transition) is
-timed too, to check the model's cost of a transition.
+timed too, to check the model's cost of a transition. Then (part 1b) the same head's forward+backward
+(autograd) on 1 and 2 threads: the chunked backward splits the head's value columns into shares
+(src/cpu/chunk_backward.cpp), and the backward at V / 2 on one thread measures the fraction f of its
+time that every share repeats.
 
 Part 2, processes: B=1, H=4, one sequence of T tokens, forward and forward+backward (autograd, fp32):
 one process (1 thread, then --ranks threads) against --ranks processes of one thread each, the
@@ -23,6 +26,11 @@ does 3.0x the forward's FLOPs).
 - Column shares (part 1): the state's V columns evolve independently, so P threads each run F(V / P)
   per token with no extra work: ideal speedup P (the per-token work on K-vectors, the gate and the
   key norm, is repeated by each thread: O(K), negligible).
+- Column shares of the backward (part 1b): the gradients of q, k, g and beta are sums over the
+  columns, so each share runs the backward at width V / P and the partial sums are added; what every
+  share repeats is the V-independent work of a chunk of C = 64 tokens: ~11 C^2 K FLOPs (the
+  intra-chunk matrices, the pair terms, the solve's W half) against 14 C K V + 4 C^2 V that scale
+  with V (f = 0.26 of the FLOPs at K = V = 128). P shares take f + (1 - f) / P of the time.
 - Segments with transitions (what CP does across processes, and what a split inside one process
   would do): a sequence cut into W segments of T / W tokens; every segment but the last computes its
   transition, one forward at width V + K from zeros and the identity, all of them at once; the maps
@@ -130,6 +138,73 @@ def part_threads(args):
         f"{transition / local_half:.2f}x the local forward of those tokens ({local_half * 1e3:.1f} ms; "
         f"model {(V + K) / V:.2f}x); two segments on two threads from these timings: "
         f"{measured_seg:.2f}x against one thread"
+    )
+    _part_threads_backward(args)
+
+
+def _forward_backward(T, K, V, reps, seed=0):
+    """Median seconds of the forward, and of the forward+backward (autograd), of one head."""
+    import kda
+
+    inputs = [t.requires_grad_() for t in _inputs(T, 1, K, V, seed)]
+    d_o = torch.randn(1, T, 1, V, generator=torch.Generator().manual_seed(seed + 1))
+
+    def forward():
+        with torch.no_grad():
+            kda.chunk_kda(*inputs)
+
+    def both():
+        o, _ = kda.chunk_kda(*inputs)
+        o.backward(d_o)
+
+    both()  # warm-up
+    return _median(forward, reps), _median(both, reps)
+
+
+def _part_threads_backward(args):
+    """The chunked backward's column shares: one head, forward+backward on 1 and 2 threads, against
+    the FLOP model (the V-independent fraction f of the backward is repeated by every share)."""
+    T, K, V = args.T, args.K, args.V
+    times = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        times[threads] = _forward_backward(T, K, V, args.reps)
+    torch.set_num_threads(1)
+    half_fwd, half_both = _forward_backward(T, K, V // 2, args.reps)
+    bwd = {t: both - fwd for t, (fwd, both) in times.items()}
+    # f from the timings: the backward at width V / 2 takes f + (1 - f) / 2 of the one at V.
+    f_measured = 2 * (half_both - half_fwd) / bwd[1] - 1
+    # f from the FLOP count per chunk of C = 64 rows, the chunk states given by the forward (as autograd
+    # does; docs/performance.md, "Column shares of the backward"): 14 C K V + 4 C^2 V depend on V,
+    # ~11 C^2 K do not.
+    C = 64
+    dep = 14 * C * K * V + 4 * C * C * V
+    indep = 11 * C * C * K
+    f_model = indep / (dep + indep)
+    fwd1 = times[1][0]
+
+    def model(f):  # forward+backward on two threads: the forward's column shares, two backward shares
+        return (fwd1 + bwd[1]) / (fwd1 / 2 + bwd[1] * (f + (1 - f) / 2))
+
+    print(f"\n## Part 1b: the same head, forward+backward (autograd, fp32), T={T}\n")
+    print(
+        "| threads | forward ms | backward ms | forward+backward ms | speedup | model (FLOP count) "
+        "| model (measured f) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for threads, (fwd, both) in times.items():
+        flop_model = 1.0 if threads == 1 else model(f_model)
+        time_model = 1.0 if threads == 1 else model(f_measured)
+        print(
+            f"| {threads} | {fwd * 1e3:.1f} | {bwd[threads] * 1e3:.1f} | {both * 1e3:.1f} "
+            f"| {times[1][1] / both:.2f}x | {flop_model:.2f}x | {time_model:.2f}x |"
+        )
+    print(
+        f"\nbackward on 2 threads: {bwd[1] / bwd[2]:.2f}x one thread (two column shares). The V-independent "
+        f"fraction f of the backward, which every share repeats: {f_model:.2f} of its FLOPs (two shares "
+        f"{1 / (f_model + (1 - f_model) / 2):.2f}x), {f_measured:.2f} of its time (the backward at "
+        f"V = {V // 2} took {(half_both - half_fwd) * 1e3:.1f} ms on one thread; two shares "
+        f"{1 / (f_measured + (1 - f_measured) / 2):.2f}x)"
     )
 
 

@@ -349,6 +349,8 @@ TEST(BackwardLong, T4096OneHead) {
 
 // Bitwise identical gradients whatever the thread count, for both kernels (and both ways of getting
 // the chunk states): GVA group sums, varlen batches, the dA_log / ddt_bias reductions over tokens.
+// (With at least as many (sequence, head) items as threads: fewer items split into column shares,
+// below.)
 TEST(BackwardDeterminism, ThreadCounts) {
   for (const BwdCase& bc : bwd_cases({
            // varlen, GVA over two key heads, softplus gate with bias, everything fused
@@ -381,6 +383,42 @@ TEST(BackwardDeterminism, ThreadCounts) {
       }
       const BackwardRun again = run_backward(v.kernel, d, ct, RunOptions{2}, v.states);
       EXPECT_EQ(differing_gradients(one.out, again.out), "") << "run to run";
+    }
+  }
+}
+
+// Fewer (sequence, head) items than threads: the chunked backward splits each item's value columns
+// into shares of at least 64 columns that run in parallel and sums their partial dq, dk, dg, dbeta
+// (and dA_log, dt_bias): here two shares on 2 threads (on 4 for the two-sequence case).
+// Every share count meets the oracle; a given thread count gives the same bits on every run and for
+// given or recomputed chunk states; d_initial_state and dv (each share's own columns) are bitwise
+// the unshared ones.
+TEST(BackwardColumnShares, OneLongHeadOnManyThreads) {
+  for (const BwdCase& bc : bwd_cases({
+           "T=300 K=32 V=128 regime=unbounded softplus l2norm beta=sigmoid h0 seed=1950",
+           "lengths=260,40 K=48 V=128 regime=spike lower_bound bf16 v_first h0 seed=1951",
+           "T=257 HV=2 K=32 V=128 per_head softplus beta=sigmoid_x2 v_first seed=1952 no_dfin",
+       })) {
+    SCOPED_TRACE(bc.name());
+    Data d;
+    make_data(bc.c, d);
+    Cotangents ct;
+    make_cotangents(d, bc.d_final_state, bc.c.seed + 1000, ct);
+    const reference::Gradients ref = oracle_backward(d, ct);
+    const ForwardRun fwd = run_forward(Kernel::chunk, d, RunOptions{1});
+    const float* states = data_or_null(fwd.out.chunk_states);
+    const BackwardRun one = run_backward(Kernel::chunk, d, ct, RunOptions{1});
+    for (int threads : {2, 4}) {
+      SCOPED_TRACE(threads);
+      const BackwardRun shared = run_backward(Kernel::chunk, d, ct, RunOptions{threads});
+      check_gradients("chunk, shares", bc, d, shared, ref);
+      const BackwardRun given = run_backward(Kernel::chunk, d, ct, RunOptions{threads}, states);
+      EXPECT_EQ(differing_gradients(shared.out, given.out), "") << "given and recomputed chunk states differ";
+      const BackwardRun again = run_backward(Kernel::chunk, d, ct, RunOptions{threads});
+      EXPECT_EQ(differing_gradients(shared.out, again.out), "") << "run to run";
+      EXPECT_TRUE(bitwise_equal(one.out.dv, shared.out.dv)) << "dv: a share's own columns";
+      EXPECT_TRUE(bitwise_equal(one.out.d_initial_state, shared.out.d_initial_state))
+          << "d_initial_state: a share's own columns";
     }
   }
 }
