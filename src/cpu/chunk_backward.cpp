@@ -793,11 +793,14 @@ void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const Backw
     ins.push_back(&cp.in);
     outs.push_back(&cp.out);
   }
+  // Everything is allocated before the first output (dv, in run_items) is written.
+  std::vector<std::vector<float>> rows(static_cast<size_t>(run.threads()),
+                                       std::vector<float>(static_cast<size_t>(plan.K)));
   run_items(plan, plans, ins, outs, out, run);
-  // Token blocks of the packed token index (b * T + t runs over each sequence's tokens).
+  // Then blocks of 256 token positions t (of every sequence, whatever its batch row) are summed,
+  // and each share scatters its columns of d_initial_state.
   const Problem& p = plan.problem;
   const int64_t block = 256, tokens = p.seq_len, blocks = (tokens + block - 1) / block;
-  std::vector<std::vector<float>> rows(static_cast<size_t>(run.threads()));
   run.parallel_for(blocks + shares, [&](int64_t task, int worker) {
     if (task >= blocks) {
       if (out.d_initial_state != nullptr)
@@ -805,9 +808,7 @@ void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const Backw
                                        out.d_initial_state);
       return;
     }
-    std::vector<float>& row = rows[static_cast<size_t>(worker)];
-    row.resize(static_cast<size_t>(std::max(plan.K, int64_t{1})));
-    gather_column_gradients(plan, out, problems, task * block, block, row);
+    gather_column_gradients(plan, out, problems, task * block, block, rows[static_cast<size_t>(worker)]);
   });
 }
 
