@@ -389,7 +389,8 @@ TEST(BackwardDeterminism, ThreadCounts) {
 
 // Fewer (sequence, head) items than threads: the chunked backward splits each item's value columns
 // into shares of at least 64 columns that run in parallel and sums their partial dq, dk, dg, dbeta
-// (and dA_log, dt_bias): here two shares on 2 threads (on 4 for the two-sequence case).
+// (and dA_log, dt_bias): two shares of V = 128 on 2 threads (on 4 where there are two items), four of
+// V = 256 on 4.
 // Every share count meets the oracle; a given thread count gives the same bits on every run and for
 // given or recomputed chunk states; d_initial_state and dv (each share's own columns) are bitwise
 // the unshared ones.
@@ -398,6 +399,12 @@ TEST(BackwardColumnShares, OneLongHeadOnManyThreads) {
            "T=300 K=32 V=128 regime=unbounded softplus l2norm beta=sigmoid h0 seed=1950",
            "lengths=260,40 K=48 V=128 regime=spike lower_bound bf16 v_first h0 seed=1951",
            "T=257 HV=2 K=32 V=128 per_head softplus beta=sigmoid_x2 v_first seed=1952 no_dfin",
+           // four shares of 64 columns on 4 threads; a batch with strided gradients; two q/k heads
+           // (dA_log summed over items and shares); a zero-length sequence
+           "T=260 K=32 V=256 regime=strong softplus h0 seed=1953",
+           "B=2 T=258 K=32 V=128 strided per_head regime=spike h0 seed=1954",
+           "T=258 H=2 HV=4 K=32 V=128 softplus l2norm beta=sigmoid seed=1955",
+           "lengths=258,0 K=32 V=128 regime=zero h0 seed=1956",
        })) {
     SCOPED_TRACE(bc.name());
     Data d;

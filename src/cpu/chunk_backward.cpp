@@ -1,7 +1,9 @@
 // Chunked (WY) backward on the CPU.
 //
 // One work item is one (sequence, query/key head h) with the value heads of its group, so the
-// group sums of dq and dk are formed by one thread in a fixed order (deterministic, no atomics).
+// group sums of dq and dk are formed by one thread in a fixed order (deterministic, no atomics);
+// with fewer items than threads, an item's value columns are split into shares (see "column
+// shares" below).
 // Per value head, the states entering every chunk come from the forward's chunk_states when the
 // caller passes them, else from a state-only forward pass into per-thread memory
 // (chunks x K x padded(V) floats per value head). Chunks are then walked in reverse with the state
@@ -634,7 +636,9 @@ void make_column_problem(const core::Plan& plan, const BackwardInputs& in, const
   cp.plan.V = w;
   cp.plan.problem.value_dim = w;
   cp.plan.problem.state_layout = StateLayout::k_first;
-  cp.initial.reset(static_cast<size_t>(N * per));
+  const bool any_initial =
+      std::any_of(plan.initial.begin(), plan.initial.end(), [](const core::StateRef& r) { return bool(r); });
+  if (any_initial) cp.initial.reset(static_cast<size_t>(N * per));
   for (int64_t n = 0; n < N; ++n) {
     if (!plan.initial[n]) continue;
     slice_states(plan, plan.initial[n], v0, w, cp.initial.data() + n * per);
@@ -793,7 +797,7 @@ void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const Backw
     ins.push_back(&cp.in);
     outs.push_back(&cp.out);
   }
-  // Everything is allocated before the first output (dv, in run_items) is written.
+  // The rows the partial gradients are summed in, allocated before any output (dv, in run_items).
   std::vector<std::vector<float>> rows(static_cast<size_t>(run.threads()),
                                        std::vector<float>(static_cast<size_t>(plan.K)));
   run_items(plan, plans, ins, outs, out, run);
