@@ -387,7 +387,7 @@ TEST(BackwardDeterminism, ThreadCounts) {
   }
 }
 
-// Fewer (sequence, head) items than threads: the chunked backward splits each item's value columns
+// Fewer (sequence, head) items than threads: both backwards split each item's value columns
 // into shares of at least 64 columns that run in parallel and sums their partial dq, dk, dg, dbeta
 // (and dA_log, dt_bias): two shares of V = 128 on 2 threads (on 4 where there are two items), four of
 // V = 256 on 4.
@@ -405,6 +405,8 @@ TEST(BackwardColumnShares, OneLongHeadOnManyThreads) {
            "B=2 T=258 K=32 V=128 strided per_head regime=spike h0 seed=1954",
            "T=258 H=2 HV=4 K=32 V=128 softplus l2norm beta=sigmoid seed=1955",
            "lengths=258,0 K=32 V=128 regime=zero h0 seed=1956",
+           // long enough for the recurrent backward's shares too
+           "T=8200 K=16 V=128 softplus l2norm beta=sigmoid h0 seed=1957",
        })) {
     SCOPED_TRACE(bc.name());
     Data d;
@@ -414,18 +416,26 @@ TEST(BackwardColumnShares, OneLongHeadOnManyThreads) {
     const reference::Gradients ref = oracle_backward(d, ct);
     const ForwardRun fwd = run_forward(Kernel::chunk, d, RunOptions{1});
     const float* states = data_or_null(fwd.out.chunk_states);
-    const BackwardRun one = run_backward(Kernel::chunk, d, ct, RunOptions{1});
-    for (int threads : {2, 4}) {
-      SCOPED_TRACE(threads);
-      const BackwardRun shared = run_backward(Kernel::chunk, d, ct, RunOptions{threads});
-      check_gradients("chunk, shares", bc, d, shared, ref);
-      const BackwardRun given = run_backward(Kernel::chunk, d, ct, RunOptions{threads}, states);
-      EXPECT_EQ(differing_gradients(shared.out, given.out), "") << "given and recomputed chunk states differ";
-      const BackwardRun again = run_backward(Kernel::chunk, d, ct, RunOptions{threads});
-      EXPECT_EQ(differing_gradients(shared.out, again.out), "") << "run to run";
-      EXPECT_TRUE(bitwise_equal(one.out.dv, shared.out.dv)) << "dv: a share's own columns";
-      EXPECT_TRUE(bitwise_equal(one.out.d_initial_state, shared.out.d_initial_state))
-          << "d_initial_state: a share's own columns";
+    for (Kernel kernel : {Kernel::chunk, Kernel::recurrent}) {
+      const char* name = kernel == Kernel::chunk ? "chunk, shares" : "recurrent, shares";
+      SCOPED_TRACE(name);
+      const BackwardRun one = run_backward(kernel, d, ct, RunOptions{1});
+      for (int threads : {2, 4}) {
+        SCOPED_TRACE(threads);
+        const BackwardRun shared = run_backward(kernel, d, ct, RunOptions{threads});
+        check_gradients(name, bc, d, shared, ref);
+        const BackwardRun given = run_backward(kernel, d, ct, RunOptions{threads}, states);
+        if (kernel == Kernel::chunk)
+          EXPECT_EQ(differing_gradients(shared.out, given.out), "")
+              << "given and recomputed chunk states differ";
+        else
+          check_gradients("recurrent+states, shares", bc, d, given, ref);
+        const BackwardRun again = run_backward(kernel, d, ct, RunOptions{threads});
+        EXPECT_EQ(differing_gradients(shared.out, again.out), "") << "run to run";
+        EXPECT_TRUE(bitwise_equal(one.out.dv, shared.out.dv)) << "dv: a share's own columns";
+        EXPECT_TRUE(bitwise_equal(one.out.d_initial_state, shared.out.d_initial_state))
+            << "d_initial_state: a share's own columns";
+      }
     }
   }
 }

@@ -5,7 +5,7 @@
 // Items are independent (a (sequence, head) pair each), every item is computed by exactly one
 // thread with the same code, so results are bitwise identical whatever the thread count and from
 // run to run. (A kernel may split an item into parts with fixed reductions when items are fewer
-// than threads: the chunked backward's column shares, identical from run to run for a given thread
+// than threads: the backwards' column shares, identical from run to run for a given thread
 // count.)
 #pragma once
 

@@ -13,6 +13,7 @@
 #include "hwy/highway.h"
 #include "cpu/simd-inl.h"
 #include "cpu/recurrent-inl.h"
+#include "cpu/column_shares-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
@@ -504,28 +505,38 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 
 }  // namespace
 
-void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                       core::Runner& run) {
+// The backward of one or more problems of the same shape (the caller's, or its column problems),
+// every (problem, sequence, head) item in one parallel loop; A_log's and dt_bias's gradients summed
+// over all of them, in a fixed order, into `out`.
+namespace {
+
+void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& plans,
+               const std::vector<const BackwardInputs*>& ins, const std::vector<const BackwardOutputs*>& outs,
+               const BackwardOutputs& out, core::Runner& run) {
   const int64_t N = plan.num_sequences(), HV = plan.HV, K = plan.K;
+  const int64_t problems = static_cast<int64_t>(plans.size()), per_problem = N * plan.H;
   std::vector<double> dA, ddt;
   if (plan.fused_gate()) {
-    dA.assign(static_cast<size_t>(N * HV), 0.0);
-    ddt.assign(static_cast<size_t>(N * HV * K), 0.0);
+    dA.assign(static_cast<size_t>(problems * N * HV), 0.0);
+    ddt.assign(static_cast<size_t>(problems * N * HV * K), 0.0);
   }
-  const GateGrads gg{dA.data(), ddt.data()};
   int64_t longest = 0;
   for (const core::Sequence& seq : plan.sequences) longest = std::max(longest, seq.length);
-  auto work = run.workspaces<BackwardWork>(N * plan.H, plan.K, plan.V);
-  run.prepare(work, [&](BackwardWork& w) { w.reserve(longest, in.chunk_states == nullptr); });
-  run.parallel_for(N * plan.H, [&](int64_t item, int worker) {
-    backward_item(plan, in, out, item / plan.H, item % plan.H, *work[static_cast<size_t>(worker)], gg);
+  auto work = run.workspaces<BackwardWork>(problems * per_problem, plan.K, plans.front()->V);
+  run.prepare(work, [&](BackwardWork& w) { w.reserve(longest, ins.front()->chunk_states == nullptr); });
+  run.parallel_for(problems * per_problem, [&](int64_t item, int worker) {
+    const int64_t j = item / per_problem, local = item % per_problem;
+    GateGrads gg;
+    if (plan.fused_gate()) gg = {dA.data() + j * N * HV, ddt.data() + j * N * HV * K};
+    backward_item(*plans[static_cast<size_t>(j)], *ins[static_cast<size_t>(j)], *outs[static_cast<size_t>(j)],
+                  local / plan.H, local % plan.H, *work[static_cast<size_t>(worker)], gg);
   });
   if (!plan.fused_gate()) return;
-  // Sums over sequences, in order.
+  // Sums over problems and sequences, in order.
   if (out.dA_log != nullptr) {
     for (int64_t hv = 0; hv < HV; ++hv) {
       double s = 0.0;
-      for (int64_t n = 0; n < N; ++n) s += dA[static_cast<size_t>(n * HV + hv)];
+      for (int64_t n = 0; n < problems * N; ++n) s += dA[static_cast<size_t>(n * HV + hv)];
       out.dA_log[hv] = static_cast<float>(s);
     }
   }
@@ -534,11 +545,35 @@ void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const B
     const int64_t G = plan.gate_dim, per = K / G;
     for (int64_t x = 0; x < HV * G; ++x) {
       double s = 0.0;
-      for (int64_t n = 0; n < N; ++n)
+      for (int64_t n = 0; n < problems * N; ++n)
         for (int64_t c = 0; c < per; ++c) s += ddt[static_cast<size_t>(n * HV * K + x * per + c)];
       out.ddt_bias[x] = static_cast<float>(s);
     }
   }
+}
+
+}  // namespace
+
+// Column shares (cpu/column_shares-inl.h) of the recurrent backward: what a share repeats is the
+// per-token work on K-vectors (the gate row, the norm backward, the dq / dk rows). On one thread the
+// backward at V = 64 took 61% (T = 4096) and 78% (T = 16384) of the one at V = 128 (K = 128), but
+// two shares running at once each took ~20% longer than alone, and slicing and summing added ~2 ms:
+// one head, one against two threads (medians of 7, through autograd), K = 128, V = 128: T = 512
+// 0.86x, 1024 0.89x, 4096 0.96x, 8192 1.45x, 16384 1.18-1.45x; K = 64: T = 4096 0.84x, 8192 1.14x,
+// 16384 1.17-1.35x. Hence shares from 8192 tokens on.
+constexpr int64_t kMinShareTokens = 8192;
+constexpr int64_t kMinShareColumns = 64;
+
+void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
+                       core::Runner& run) {
+  const int64_t shares = column_shares(plan, run.threads(), kMinShareTokens, kMinShareColumns);
+  if (shares == 1) {
+    run_items(plan, {&plan}, {&in}, {&out}, out, run);
+    return;
+  }
+  run_in_column_shares(plan, in, out, shares, run, [&](const auto& plans, const auto& ins, const auto& outs) {
+    run_items(plan, plans, ins, outs, out, run);
+  });
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE
