@@ -16,9 +16,7 @@
 // then the intra-chunk terms through E_ij = exp(G_i - G_j), the reverse chunk-local cumsum of dG,
 // and the pre-processing backward (L2 norm, gate, beta). docs/math.md ("The backward") derives them.
 #include <algorithm>
-#include <cstring>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "core/parallel.hpp"
@@ -628,14 +626,10 @@ constexpr int64_t kMinShareColumns = 64;
 
 void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                    core::Runner& run) {
-  const int64_t shares = column_shares(plan, run.threads(), kMinShareTokens, kMinShareColumns);
-  if (shares == 1) {
-    run_items(plan, {&plan}, {&in}, {&out}, out, run);
-    return;
-  }
-  run_in_column_shares(plan, in, out, shares, run, [&](const auto& plans, const auto& ins, const auto& outs) {
-    run_items(plan, plans, ins, outs, out, run);
-  });
+  backward_in_column_shares(plan, in, out, run, kMinShareTokens, kMinShareColumns,
+                            [&](const auto& plans, const auto& ins, const auto& outs) {
+                              run_items(plan, plans, ins, outs, out, run);
+                            });
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE

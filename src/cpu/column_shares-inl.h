@@ -20,7 +20,6 @@
 #endif
 
 #include <algorithm>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -71,18 +70,7 @@ inline View columns(View x, int64_t v0, int64_t w) {
 // layout and dtype, into K-first [HV][K][w] fp32 at dst.
 inline void slice_states(const core::Plan& plan, const core::StateRef& ref, int64_t v0, int64_t w,
                          float* dst) {
-  for (int64_t hv = 0; hv < plan.HV; ++hv) {
-    const core::StateRef src = head_state(plan, ref, hv);
-    if (!plan.v_first() && src.dtype == DType::f32) {  // rows of the K-first state: one copy each
-      for (int64_t kk = 0; kk < plan.K; ++kk)
-        std::memcpy(dst + (hv * plan.K + kk) * w, static_cast<const float*>(src.data) + kk * plan.V + v0,
-                    sizeof(float) * static_cast<size_t>(w));
-      continue;
-    }
-    for (int64_t kk = 0; kk < plan.K; ++kk)
-      for (int64_t j = 0; j < w; ++j)
-        dst[(hv * plan.K + kk) * w + j] = state_element(src, plan.state_index(kk, v0 + j));
-  }
+  for (int64_t hv = 0; hv < plan.HV; ++hv) load_state(plan, ref, hv, dst + hv * plan.K * w, w, v0, w);
 }
 
 // Fills a column problem for columns [v0, v0 + w) of (plan, in, out): the parts of its states and
@@ -168,23 +156,31 @@ inline void gather_column_gradients(const core::Plan& plan, const BackwardOutput
   }
 }
 
+// Each share's columns of d_initial_state into the caller's tensor.
 inline void scatter_initial_state_gradient(const core::Plan& plan, const ColumnProblem& cp,
                                            float* d_initial) {
   for (int64_t n = 0; n < plan.num_sequences(); ++n)
     for (int64_t hv = 0; hv < plan.HV; ++hv)
-      for (int64_t kk = 0; kk < plan.K; ++kk)
-        for (int64_t j = 0; j < cp.w; ++j)
-          d_initial[plan.state_offset(n, hv) + plan.state_index(kk, cp.v0 + j)] =
-              cp.d_initial[static_cast<size_t>(((n * plan.HV + hv) * plan.K + kk) * cp.w + j)];
+      store_state(plan, cp.d_initial.data() + (n * plan.HV + hv) * plan.K * cp.w, cp.w,
+                  plan.packed(d_initial, n), hv, cp.v0, cp.w);
 }
 
-// The backward of (plan, in, out) in `shares` column shares: the column problems are made (their
-// states sliced) in parallel, run_problems(plans, ins, outs) runs them all (its kernel's items over
-// every problem, A_log's and dt_bias's gradients summed into `out` by it), then the partial gradients
-// are summed into `out` and each share's columns of d_initial_state scattered there.
+// A backward of (plan, in, out), in column shares where column_shares(plan, threads, min_tokens,
+// min_columns) gives more than one. run_problems(plans, ins, outs) is the kernel's backward of one or
+// more problems of the same shape (every (problem, sequence, head) item in one parallel loop, A_log's
+// and dt_bias's gradients summed over all of them into `out`): called with (plan, in, out) alone, or
+// with the column problems, made (their states sliced) in parallel; their partial gradients are then
+// summed into `out` and each share's columns of d_initial_state scattered there.
 template <typename RunProblems>
-void run_in_column_shares(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                          int64_t shares, core::Runner& run, RunProblems&& run_problems) {
+void backward_in_column_shares(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
+                               core::Runner& run, int64_t min_tokens, int64_t min_columns,
+                               RunProblems&& run_problems) {
+  const int64_t shares = column_shares(plan, run.threads(), min_tokens, min_columns);
+  if (shares == 1) {
+    run_problems(std::vector<const core::Plan*>{&plan}, std::vector<const BackwardInputs*>{&in},
+                 std::vector<const BackwardOutputs*>{&out});
+    return;
+  }
   const int64_t w = plan.V / shares;
   std::vector<ColumnProblem> problems(static_cast<size_t>(shares));
   run.parallel_for(shares, [&](int64_t s, int) {

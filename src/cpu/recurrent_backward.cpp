@@ -566,14 +566,10 @@ constexpr int64_t kMinShareColumns = 64;
 
 void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                        core::Runner& run) {
-  const int64_t shares = column_shares(plan, run.threads(), kMinShareTokens, kMinShareColumns);
-  if (shares == 1) {
-    run_items(plan, {&plan}, {&in}, {&out}, out, run);
-    return;
-  }
-  run_in_column_shares(plan, in, out, shares, run, [&](const auto& plans, const auto& ins, const auto& outs) {
-    run_items(plan, plans, ins, outs, out, run);
-  });
+  backward_in_column_shares(plan, in, out, run, kMinShareTokens, kMinShareColumns,
+                            [&](const auto& plans, const auto& ins, const auto& outs) {
+                              run_items(plan, plans, ins, outs, out, run);
+                            });
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE

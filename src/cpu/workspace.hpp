@@ -112,38 +112,41 @@ inline core::StateRef head_state(const core::Plan& plan, const core::StateRef& r
 }
 
 // Copies head hv of a sequence's states (in the problem's layout, f32 or bf16; null: zeros) into a
-// K-first fp32 working tile [K][ldS] (ldS >= V; padded columns set to zero).
+// K-first fp32 working tile [K][ldS] (ldS >= width; padded columns set to zero): its value columns
+// [v0, v0 + width), all of them by default.
 inline void load_state(const core::Plan& plan, const core::StateRef& states, int64_t hv, float* S,
-                       int64_t ldS) {
-  const int64_t K = plan.K, V = plan.V;
+                       int64_t ldS, int64_t v0 = 0, int64_t width = -1) {
+  const int64_t K = plan.K, V = plan.V, W = width < 0 ? V : width;
   // Padded columns are cleared too: what a previous item left there (NaN from a NaN input, say) must
   // not reach this one.
-  const int64_t first_zero = states ? V : 0;
+  const int64_t first_zero = states ? W : 0;
   for (int64_t kk = 0; kk < K; ++kk)
     std::memset(S + kk * ldS + first_zero, 0, sizeof(float) * (ldS - first_zero));
   if (!states) return;
   const core::StateRef src = head_state(plan, states, hv);
   if (!plan.v_first() && src.dtype == DType::f32) {
-    const float* f = static_cast<const float*>(src.data);
-    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(S + kk * ldS, f + kk * V, sizeof(float) * V);
+    const float* f = static_cast<const float*>(src.data) + v0;
+    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(S + kk * ldS, f + kk * V, sizeof(float) * W);
     return;
   }
   for (int64_t kk = 0; kk < K; ++kk)
-    for (int64_t vv = 0; vv < V; ++vv) S[kk * ldS + vv] = state_element(src, plan.state_index(kk, vv));
+    for (int64_t vv = 0; vv < W; ++vv) S[kk * ldS + vv] = state_element(src, plan.state_index(kk, v0 + vv));
 }
 
-// The inverse of load_state: writes a K-first working tile into head hv of a sequence's states.
+// The inverse of load_state: writes a K-first working tile into head hv of a sequence's states (its
+// value columns [v0, v0 + width), all of them by default).
 inline void store_state(const core::Plan& plan, const float* S, int64_t ldS, const core::StateRef& states,
-                        int64_t hv) {
-  const int64_t K = plan.K, V = plan.V;
+                        int64_t hv, int64_t v0 = 0, int64_t width = -1) {
+  const int64_t K = plan.K, V = plan.V, W = width < 0 ? V : width;
   const core::StateRef dst = head_state(plan, states, hv);
   if (!plan.v_first() && dst.dtype == DType::f32) {
-    float* f = static_cast<float*>(dst.data);
-    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(f + kk * V, S + kk * ldS, sizeof(float) * V);
+    float* f = static_cast<float*>(dst.data) + v0;
+    for (int64_t kk = 0; kk < K; ++kk) std::memcpy(f + kk * V, S + kk * ldS, sizeof(float) * W);
     return;
   }
   for (int64_t kk = 0; kk < K; ++kk)
-    for (int64_t vv = 0; vv < V; ++vv) set_state_element(dst, plan.state_index(kk, vv), S[kk * ldS + vv]);
+    for (int64_t vv = 0; vv < W; ++vv)
+      set_state_element(dst, plan.state_index(kk, v0 + vv), S[kk * ldS + vv]);
 }
 
 }  // namespace kda::cpu
