@@ -80,27 +80,12 @@ struct NextState {
   }
 };
 
-// One vector of a state's elements, fp32 or bf16 (uint16_t bits), read into / written from fp32.
+// One vector of a state's elements, fp32 or bf16 (uint16_t bits), read into / written from fp32
+// (bf16 rounded as every kernel rounds, simd-inl.h).
 HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
-HWY_INLINE VF load_state(const uint16_t* p) {
-  const hn::RebindToSigned<DF> di;
-  const hn::Rebind<uint16_t, DF> d16;
-  return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(d16, p))));
-}
+HWY_INLINE VF load_state(const uint16_t* p) { return load_bf16(p); }
 HWY_INLINE void store_state(VF x, float* p) { hn::StoreU(x, DF(), p); }
-// Rounded to nearest even, NaN kept a quiet NaN (as core::float_to_bf16).
-HWY_INLINE void store_state(VF x, uint16_t* p) {
-  const hn::RebindToSigned<DF> di;
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint16_t, DF> d16;
-  const auto u = hn::BitCast(du, x);
-  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
-  const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), lsb)));
-  const auto quiet = hn::ShiftRight<16>(hn::Or(u, hn::Set(du, 0x400000u)));
-  const auto is_nan = hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu))), hn::Set(di, 0x7f800000));
-  hn::StoreU(hn::DemoteTo(d16, hn::IfThenElse(is_nan, hn::BitCast(di, quiet), hn::BitCast(di, rounded))), d16,
-             p);
-}
+HWY_INLINE void store_state(VF x, uint16_t* p) { store_bf16(x, p); }
 
 // n elements between a state row and an fp32 row; the tails use the scalar forms.
 template <typename From, typename To>

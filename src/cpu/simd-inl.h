@@ -293,6 +293,31 @@ HWY_INLINE void add_rows(const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int
 
 // ---- rows of the activations -------------------------------------------------------------------
 
+// One vector of bf16 values (bits) at p, widened to floats (exact).
+HWY_INLINE VF load_bf16(const uint16_t* HWY_RESTRICT p) {
+  const hn::Rebind<uint32_t, DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, p))));
+}
+
+// One vector of floats stored at p as bf16, rounded to nearest even with NaN kept a quiet NaN: bit
+// for bit core::float_to_bf16. The NaN lanes take their quieted bits before the one shift (a mask
+// from IsNaN rather than an integer compare and a second shift): the bf16 decode kernels are bound by
+// these instructions, not by memory.
+HWY_INLINE void store_bf16(VF x, uint16_t* HWY_RESTRICT p) {
+  const hn::Rebind<uint32_t, DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const hn::Rebind<int32_t, DF> di32;
+  const auto u = hn::BitCast(du32, x);
+  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
+  const auto rounded = hn::Add(hn::Add(u, hn::Set(du32, 0x7fffu)), lsb);
+  const auto bits =
+      hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(x)), hn::Or(u, hn::Set(du32, 0x400000u)), rounded);
+  // Every lane is <= 0xffff after the shift, so the signed-to-unsigned demotion (which Highway has)
+  // keeps it.
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, hn::ShiftRight<16>(bits))), du16, p);
+}
+
 // Reads n contiguous elements of row (b, t, h) as floats: core::load_row in this target's vectors
 // (the conversion from bf16 is exact, so the results are the same).
 inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n, float* HWY_RESTRICT dst) {
@@ -306,15 +331,12 @@ inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n
     return;
   }
   const uint16_t* src = reinterpret_cast<const uint16_t*>(core::element_ptr(in, b, t, h));
-  const hn::Rebind<uint32_t, DF> du32;
-  const hn::Rebind<uint16_t, DF> du16;
-  for (; i + L <= n; i += L)
-    hn::StoreU(hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src + i)))), d, dst + i);
+  for (; i + L <= n; i += L) hn::StoreU(load_bf16(src + i), d, dst + i);
   for (; i < n; ++i) dst[i] = core::bf16_to_float(src[i]);
 }
 
-// Writes n floats to row (b, t, h), bf16 rounded to nearest even with NaN kept NaN, bit for bit as
-// core::float_to_bf16 (which the scalar tail uses).
+// Writes n floats to row (b, t, h), bf16 rounded as store_bf16 rounds (the scalar tail: with
+// core::float_to_bf16, bit for bit the same).
 inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_t n,
                       const float* HWY_RESTRICT src) {
   const DF d;
@@ -327,20 +349,7 @@ inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_
     return;
   }
   uint16_t* dst = reinterpret_cast<uint16_t*>(core::element_ptr(out, b, t, h));
-  const hn::Rebind<uint32_t, DF> du32;
-  const hn::Rebind<uint16_t, DF> du16;
-  const hn::Rebind<int32_t, DF> di32;
-  const auto magnitude = hn::Set(du32, 0x7fffffffu), inf = hn::Set(du32, 0x7f800000u);
-  const auto half = hn::Set(du32, 0x7fffu), one = hn::Set(du32, 1u), quiet = hn::Set(du32, 0x40u);
-  for (; i + L <= n; i += L) {
-    const auto u = hn::BitCast(du32, hn::LoadU(d, src + i));
-    const auto high = hn::ShiftRight<16>(u);
-    const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(half, hn::And(high, one))));
-    const auto is_nan = hn::Gt(hn::And(u, magnitude), inf);
-    // Every lane is <= 0xffff, so the signed-to-unsigned demotion (which Highway has) keeps it.
-    const auto bits = hn::BitCast(di32, hn::IfThenElse(is_nan, hn::Or(high, quiet), rounded));
-    hn::StoreU(hn::DemoteTo(du16, bits), du16, dst + i);
-  }
+  for (; i + L <= n; i += L) store_bf16(hn::LoadU(d, src + i), dst + i);
   for (; i < n; ++i) dst[i] = core::float_to_bf16(src[i]);
 }
 
