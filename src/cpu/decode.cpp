@@ -13,8 +13,9 @@
 // Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
 // bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
 // stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
-// two AVX2 cores), and each worker, taking a contiguous share of the (request, head) items, fetches
-// its next item's state into L2 while the current one computes (NextState). Every state is read
+// two AVX2 cores), and on a K-first pool each worker, taking a contiguous share of the (request,
+// head) items, fetches its next item's state into L2 while the current one computes (NextState).
+// Every state is read
 // from the pool once and written once per stored state: an fp32 state that goes back to the slot it
 // came from (the usual one-token step) is updated in place in the pool; otherwise (a bf16 pool,
 // another slot, per-token states) the token kernels convert each group of rows into an fp32 working
@@ -58,9 +59,12 @@ HWY_INLINE void prefetch_bytes(const void* base, size_t total, size_t from, size
 }
 
 // The state the worker's next item reads first, fetched into L2 while the current item runs: a
-// decode step is a stream of states, but each item's own sweeps leave the memory idle while they
-// compute (the K-first kernel's second sweep runs from L2), so the next state is requested over the
-// current item's row groups, a share per group. Into L2, not L1: the current item's rows live there.
+// decode step is a stream of states, but the K-first kernel's second sweep runs from L2 and leaves
+// the memory idle, so the next state is requested over the current item's row groups, a share per
+// group. Into L2, not L1: the current item's rows live there. The V-first kernels stream their
+// state in one visit, and a second stream only competes with it: without it the 32 x 32 x 128^2
+// fp32 step took 1524-1565 us instead of 1874-1941 us (three alternating runs, two cores of an
+// AVX-512 Xeon, 2026-12-03), and bf16 3% less.
 struct NextState {
   const char* data = nullptr;
   size_t bytes = 0;
@@ -162,7 +166,7 @@ struct DecodeWork {
 // k and the state, one in e, so they stay zero).
 void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HWY_RESTRICT q,
                    const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                   float scale, float* o, const StateRows& src, const StateRows& dst, const NextState& next) {
+                   float scale, float* o, const StateRows& src, const StateRows& dst) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;  // rows per pass: four independent reductions in flight
@@ -200,9 +204,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
     }
     for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
     if (dst.ref) store_rows(dst, r0, R, S, ld);
-    next.rows(r0, R, V);
   }
-  next.rows(r0, V - r0, V);
   for (; r0 < V; ++r0) {
     if (src.ref) load_rows(src, r0, 1, S, ld);
     float* row = S + r0 * ld;
@@ -312,7 +314,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
 template <typename Src, typename Dst>
 void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const float* HWY_RESTRICT q,
                         const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                        float scale, float* o, const NextState& next) {
+                        float scale, float* o) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
@@ -338,9 +340,7 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
       }
     }
     for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
-    next.rows(r0, R, V);
   }
-  next.rows(r0, V - r0, V);
   for (; r0 < V; ++r0) {
     const Src* row = src + r0 * K;
     VF u = hn::Zero(d), out = hn::Zero(d);
@@ -404,7 +404,7 @@ void slot_token(const core::Plan& plan, const void* src, void* dst, const float*
   const Src* s = static_cast<const Src*>(src);
   Dst* t = static_cast<Dst*>(dst);
   if (plan.v_first())
-    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o, next);
+    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o);
   else
     slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, acc, next);
 }
@@ -517,8 +517,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
       else if (t == seq.length - 1 && !s.in_place)
         dst = rows_of(plan, plan.final[n], hv);
       if (plan.v_first())
-        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o, src, dst,
-                      ahead);
+        token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o, src, dst);
       else
         token_k_first(s.S, plan.K, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o,
                       w.acc.data(), src, dst, ahead);
@@ -545,9 +544,9 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
   // Each worker takes a contiguous share of the (request, head) items, so that it knows the state it
-  // reads next and fetches it while the current item computes (NextState). Items cost the same,
-  // up to the tokens of a request, so equal shares balance. A worker beyond the first must have
-  // kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves:
+  // reads next and, on a K-first pool, fetches it while the current item computes (NextState).
+  // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
+  // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves:
   // one request of 32 heads of 128 x 128 (2 MiB) took 140 us on one thread and 204 us on two inside
   // a torch process, 4 MiB 243 vs 318 us, 8 MiB 546 vs 354 us (2026-12-03, two Zen 5 cores). The
   // items' results do not depend on the worker that computes them, so this changes no result.
@@ -557,8 +556,9 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   run.parallel_for(shares, [&](int64_t share, int worker) {
     const int64_t first = items * share / shares, last = items * (share + 1) / shares;
     for (int64_t item = first; item < last; ++item) {
-      const NextState next =
-          item + 1 < last ? first_state_of(plan, (item + 1) / plan.HV, (item + 1) % plan.HV) : NextState{};
+      const NextState next = item + 1 < last && !plan.v_first()
+                                 ? first_state_of(plan, (item + 1) / plan.HV, (item + 1) % plan.HV)
+                                 : NextState{};
       decode_item(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)], next);
     }
   });
