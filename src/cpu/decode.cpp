@@ -154,11 +154,12 @@ struct DecodeWork {
   int64_t Kp, Vp;
   Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
   Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
-  Buffer<float> acc;                  // Vp: the K-first kernel's k^T S1
+  Buffer<float> scratch;              // K-first: k^T S1 (Vp); the V-first slot kernel: 4 rows (4 Kp)
   DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)) {
     S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
     q.reset(kTokens * Kp), k.reset(kTokens * Kp), e.reset(kTokens * Kp), v.reset(kTokens * Vp);
-    o.reset(kTokens * Vp), beta.reset(kTokens), acc.reset(static_cast<size_t>(Vp));
+    o.reset(kTokens * Vp), beta.reset(kTokens);
+    scratch.reset(static_cast<size_t>(std::max(Vp, 4 * Kp)));
   }
 };
 
@@ -307,17 +308,21 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
 // The usual decode step that cannot run in place (a bf16 pool, or a state going to another slot): the
 // state is read from its slot and the new one written to its destination with no fp32 working copy,
 // converting in registers. The first pass only reads, so the second reads the source again (from L1
-// or L2) and stores the result. Rows must be whole vectors (len % lanes == 0).
+// or L2; the V-first kernel from a bf16 source: its first pass's fp32 rows) and stores the result.
+// Rows must be whole vectors (len % lanes == 0).
 
 // V-first [V][K] rows (len = K) from src to dst: groups of four rows, then one row at a time (the
-// accumulators stay in registers only when the compiler sees their count).
+// accumulators stay in registers only when the compiler sees their count). From a bf16 source the
+// first pass keeps the decayed rows S0 * e in fp32 in `decayed` (four rows, in L1), so that the
+// second pass neither widens nor decays them again: the bf16 kernels are bound by instructions.
 template <typename Src, typename Dst>
 void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const float* HWY_RESTRICT q,
                         const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                        float scale, float* o) {
+                        float scale, float* o, float* HWY_RESTRICT decayed) {
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
+  constexpr bool kKeepDecayed = std::is_same_v<Src, uint16_t>;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
     prefetch_bytes(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
@@ -325,8 +330,11 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
     for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), out.set(r, hn::Zero(d));
     for (int64_t i = 0; i < K; i += L) {
       const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
-      for (int r = 0; r < R; ++r)
-        u.set(r, hn::MulAdd(hn::Mul(load_state(src + (r0 + r) * K + i), ve), vk, u.get(r)));
+      for (int r = 0; r < R; ++r) {
+        const VF s1 = hn::Mul(load_state(src + (r0 + r) * K + i), ve);
+        if constexpr (kKeepDecayed) hn::StoreU(s1, d, decayed + r * K + i);
+        u.set(r, hn::MulAdd(s1, vk, u.get(r)));
+      }
     }
     for (int r = 0; r < R; ++r)
       res.set(r, hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))))));
@@ -334,7 +342,12 @@ void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const fl
       const VF ve = hn::LoadU(d, e + i), vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * K + i;
-        const VF x = hn::MulAdd(res.get(r), vk, hn::Mul(load_state(src + at), ve));
+        VF s1;
+        if constexpr (kKeepDecayed)
+          s1 = hn::LoadU(d, decayed + r * K + i);
+        else
+          s1 = hn::Mul(load_state(src + at), ve);
+        const VF x = hn::MulAdd(res.get(r), vk, s1);
         out.set(r, hn::MulAdd(x, vq, out.get(r)));
         store_state(x, dst + at);
       }
@@ -397,30 +410,30 @@ void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const fl
   for (int64_t j = 0; j < V; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
 }
 
-// Runs the slot-to-slot token for the dtypes of src and dst.
+// Runs the slot-to-slot token for the dtypes of src and dst (scratch: DecodeWork::scratch).
 template <typename Src, typename Dst>
 void slot_token(const core::Plan& plan, const void* src, void* dst, const float* q, const float* k,
-                const float* e, const float* v, float beta, float* o, float* acc, const NextState& next) {
+                const float* e, const float* v, float beta, float* o, float* scratch, const NextState& next) {
   const Src* s = static_cast<const Src*>(src);
   Dst* t = static_cast<Dst*>(dst);
   if (plan.v_first())
-    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o);
+    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o, scratch);
   else
-    slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, acc, next);
+    slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, scratch, next);
 }
 
 void slot_token(const core::Plan& plan, const core::StateRef& src, const core::StateRef& dst, const float* q,
-                const float* k, const float* e, const float* v, float beta, float* o, float* acc,
+                const float* k, const float* e, const float* v, float beta, float* o, float* scratch,
                 const NextState& next) {
   const bool src16 = src.dtype == DType::bf16, dst16 = dst.dtype == DType::bf16;
   if (src16 && dst16)
-    slot_token<uint16_t, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
+    slot_token<uint16_t, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
   else if (src16)
-    slot_token<uint16_t, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
+    slot_token<uint16_t, float>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
   else if (dst16)
-    slot_token<float, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
+    slot_token<float, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
   else
-    slot_token<float, float>(plan, src.data, dst.data, q, k, e, v, beta, o, acc, next);
+    slot_token<float, float>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
 }
 
 // The working state of one (request, head), in the state's own layout: the pool itself when an
@@ -490,7 +503,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
     for (int64_t c = 0; c < Kp; c += lanes())
       hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.e.data() + c)), d, w.e.data() + c);
     slot_token(plan, head_state(plan, initial, hv), head_state(plan, single_dst, hv), w.q.data(), w.k.data(),
-               w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.acc.data(), next);
+               w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.scratch.data(), next);
     store_row(out.o, seq.batch_index, seq.first_token, hv, V, w.o.data());
     return;
   }
@@ -520,7 +533,7 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
         token_v_first(s.S, V, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o, src, dst);
       else
         token_k_first(s.S, plan.K, s.ld, q, k, e, v, w.beta[static_cast<size_t>(i)], plan.scale, o,
-                      w.acc.data(), src, dst, ahead);
+                      w.scratch.data(), src, dst, ahead);
     }
     for (int64_t i = 0; i < count; ++i)
       store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv, V, w.o.data() + i * Vp);
