@@ -71,8 +71,8 @@ class BlockCacheScope {
 struct ContextState;
 
 // One call's use of an execution context: it holds the context for the call (calls on one context
-// run one at a time; the calling thread is worker 0, the pool's threads the others) and gives each
-// worker its block cache.
+// run one at a time; the calling thread is worker 0, the pool's threads the others, or with
+// KDA_OPENMP the OpenMP runtime's: parallel.cpp says when) and gives each worker its block cache.
 class Runner {
  public:
   // context: null for Context::global(). requested_threads as resolve_num_threads takes it.

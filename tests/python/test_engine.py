@@ -217,3 +217,36 @@ def test_segment_transition_readout_is_the_adjoint():
     (o * d_o).sum().backward()
     got = torch.einsum("thk,thv->hkv", torch.from_numpy(R).double(), d_o[0, 40:])
     assert rel_rms(got, h0.grad[1]) <= tolerance("forward", torch.float32, "state")
+
+
+def test_workers_run_on_torchs_openmp_threads_and_a_forked_child_still_computes():
+    """The extension's workers are torch's OpenMP threads (one libgomp in the process); GNU OpenMP
+    does not survive a fork, so a child forked after kda ran uses kda's own threads: it must finish,
+    with the parent's bits."""
+    import os
+    import time
+
+    libraries = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    assert len(libraries) == 1, libraries
+    tensors, options = make_inputs(Case(B=1, T=300, H=2, HV=2, K=32, V=32, regime="strong"))
+    with torch.no_grad():
+        torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # torch's OpenMP threads started
+        o, _ = kda.chunk_kda(**tensors, **options)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only with the same bits
+            try:
+                o_child, _ = kda.chunk_kda(**tensors, **options)
+                os._exit(0 if torch.equal(o_child, o) else 1)
+            except BaseException:
+                os._exit(2)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's kda call did not finish in 120 s")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
