@@ -13,6 +13,36 @@ def apply_process_mends():
     # is nothing to fuse; a value the user set is kept.
     os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
     _mla_block_sizes()
+    _amx_mla_for_bf16_only()
+
+
+def _amx_mla_for_bf16_only():
+    # On CPUs with AMX tiles vLLM 0.32.0 prefers its AMX MLA backend (CpuPlatform.
+    # get_attn_backend_cls) whatever the engine's dtype, but that backend's kernels take bf16 only
+    # (AMXMLABackend.supported_dtypes): a float32 engine stops at its first decode step in
+    # decode_attention_cpu ("not implemented for 'Float'"). For an MLA model in another dtype, with
+    # no backend chosen by the user, the reference CPU MLA backend is chosen, as on CPUs without AMX.
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    original = CpuPlatform.check_and_update_config.__func__
+    if getattr(original, "_kda_mend", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        model = vllm_config.model_config
+        attention = vllm_config.attention_config
+        if (
+            model is not None
+            and getattr(model, "use_mla", False)
+            and model.dtype != torch.bfloat16
+            and attention.backend is None
+        ):
+            attention.backend = AttentionBackendEnum.CPU_MLA
+        return original(cls, vllm_config)
+
+    check_and_update_config._kda_mend = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _mla_block_sizes():
