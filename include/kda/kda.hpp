@@ -253,7 +253,9 @@ struct BackwardOutputs {
 // memory kept between calls, so that a stream of calls (decode steps) creates no thread and
 // allocates nothing after the first. Calls on one context run one at a time (a call from another
 // thread waits); use one context per concurrent caller for concurrency. Context::global() serves
-// calls that name none. A process that forks gets fresh threads in the child.
+// calls that name none. A process that forks gets fresh threads in the child. A build with
+// KDA_OPENMP (the Python extension's) runs the workers on the OpenMP runtime's threads where it can
+// (docs/api.md says when), keeping the per-thread memory here.
 class Context {
  public:
   Context();

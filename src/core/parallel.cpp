@@ -175,32 +175,48 @@ class ThreadPool {
 };
 
 #ifdef KDA_OPENMP
-// Built into the Python extension (KDA_OPENMP), a call's workers are the OpenMP runtime's threads,
-// which torch loaded first: the same libgomp by its soname, so the same threads torch's operations
-// run on. Why: after each torch operation those threads spin for a while (on a two-core AVX-512
-// Xeon, long enough to cover a whole kda call), holding the cores kda's own helpers would need.
-// Measured there with torch 2.13, two threads: a one-token decode step over 32 requests x 32
-// heads of 128 x 128 fp32 state took 1.86 ms alone and 4.98 ms right after a torch GEMM (one thread
-// 7.61 ms), and a 2048-token prefill of 8 heads 12.5 ms alone and 16.4 ms after a GEMM; inside
-// vLLM the decode call took 7.5 ms per layer at batch 32.
+// Built into the Python extension (KDA_OPENMP), a call's workers are the OpenMP runtime's threads:
+// in a torch process the same libgomp (by its soname) and, for calls from the thread that runs
+// torch's operations, the same threads. Why: after each torch operation those threads spin for a
+// while (on a two-core AVX-512 Xeon, long enough to cover a whole kda call), holding the cores
+// kda's own helpers would need; there, a one-token decode step over 32 requests x 32 heads of
+// 128 x 128 bf16 state took 4.37 / 4.11 ms right after a torch GEMM with kda's own pool and 1.91 /
+// 2.02 ms on the OpenMP threads (docs/performance.md, 2026-12-03 late, has the rest). The price:
+// a parallel region ends in a barrier, so the caller waits for a team thread that was descheduled,
+// which kda's own pool never does (see ThreadPool).
 //
 // GNU OpenMP's pool does not survive fork(): a child that starts a parallel region after its
 // parent ran one waits forever. A child forked after this library was loaded uses kda's own
-// threads instead, as does a call made from inside a parallel region.
+// threads instead, as does a call made inside a parallel region (nested teams are made of fresh
+// threads each time) and a call wanting more workers than the runtime's pool holds (libgomp would
+// create them, end them at torch's next operation, and abort the process if it could not).
 std::atomic<bool> g_forked{false};
 [[maybe_unused]] const bool g_fork_handler = [] {
   pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
   return true;
 }();
 
-bool use_openmp() { return !g_forked.load(std::memory_order_relaxed) && omp_in_parallel() == 0; }
+bool use_openmp(int workers) {
+  return !g_forked.load(std::memory_order_relaxed) && omp_get_level() == 0 &&
+         workers <= omp_get_max_threads();
+}
 
-// Runs job(0..n-1) on a team of n OpenMP threads (the caller is thread 0); job must not throw.
+// Runs job(0..n-1) on the OpenMP team (the caller is thread 0); job must not throw. The team is the
+// runtime's whole pool, never fewer: libgomp ends the threads a smaller team leaves out, and torch's
+// next operation would create them again (torch avoids the num_threads clause for this reason).
 void run_on_openmp(int n, const std::function<void(int)>& job) {
-#pragma omp parallel num_threads(n)
+  if (n == 1) {
+    FlushSubnormals flush;
+    job(0);
+    return;
+  }
+#pragma omp parallel num_threads(omp_get_max_threads())
   {
-    FlushSubnormals flush;  // these threads are torch's: their mode is restored
-    job(omp_get_thread_num());
+    const int worker = omp_get_thread_num();
+    if (worker < n) {
+      FlushSubnormals flush;  // these threads are torch's: their mode is restored
+      job(worker);
+    }
   }
 }
 #endif
@@ -322,7 +338,7 @@ void Runner::parallel_for(int64_t count, const std::function<void(int64_t, int)>
     }
   };
 #ifdef KDA_OPENMP
-  if (use_openmp()) {
+  if (use_openmp(workers)) {
     run_on_openmp(workers, job);
     if (error) std::rethrow_exception(error);
     return;

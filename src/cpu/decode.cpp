@@ -9,16 +9,16 @@
 //    sweeps over the rows (k^T S1, then the correction and q^T S2); the state, 64 KiB at
 //    K = V = 128, stays in L2 between them.
 // In both, the first pass only reads (S1 = S0 * e is recomputed in the second, which stores): one
-// multiply is cheaper than a store and a dirty line.
+// multiply is cheaper than a store and a dirty line. (The exception: from a bf16 slot the V-first
+// kernel keeps four rows of S1 in fp32, cheaper than widening them again.)
 // Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
 // bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
 // stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
 // two AVX2 cores), and on a K-first pool each worker, taking a contiguous share of the (request,
 // head) items, fetches its next item's state into L2 while the current one computes (NextState).
-// Every state is read
-// from the pool once and written once per stored state: an fp32 state that goes back to the slot it
-// came from (the usual one-token step) is updated in place in the pool; otherwise (a bf16 pool,
-// another slot, per-token states) the token kernels convert each group of rows into an fp32 working
+// Every state is read from the pool once and written once per stored state: an fp32 state that goes
+// back to the slot it came from (the usual one-token step) is updated in place in the pool; otherwise (a bf16
+// pool, another slot, per-token states) the token kernels convert each group of rows into an fp32 working
 // copy as they first touch it and out of it as they finish it.
 #include <algorithm>
 #include <cstring>
@@ -63,8 +63,8 @@ HWY_INLINE void prefetch_bytes(const void* base, size_t total, size_t from, size
 // the memory idle, so the next state is requested over the current item's row groups, a share per
 // group. Into L2, not L1: the current item's rows live there. The V-first kernels stream their
 // state in one visit, and a second stream only competes with it: without it the 32 x 32 x 128^2
-// fp32 step took 1524-1565 us instead of 1874-1941 us (three alternating runs, two cores of an
-// AVX-512 Xeon, 2026-12-03), and bf16 3% less.
+// fp32 step took 1532-1617 us instead of 1832-1871 us (three alternating runs, two cores of an
+// AVX-512 Xeon, 2026-12-03; docs/performance.md).
 struct NextState {
   const char* data = nullptr;
   size_t bytes = 0;
@@ -307,8 +307,9 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
 // ---- one token straight from a slot to a slot -----------------------------------------------------
 // The usual decode step that cannot run in place (a bf16 pool, or a state going to another slot): the
 // state is read from its slot and the new one written to its destination with no fp32 working copy,
-// converting in registers. The first pass only reads, so the second reads the source again (from L1
-// or L2; the V-first kernel from a bf16 source: its first pass's fp32 rows) and stores the result.
+// converting in registers. The first pass only reads the state, so the second reads the source
+// again (from L1 or L2; the V-first kernel from a bf16 source: the fp32 rows its first pass kept in
+// scratch) and stores the result.
 // Rows must be whole vectors (len % lanes == 0).
 
 // V-first [V][K] rows (len = K) from src to dst: groups of four rows, then one row at a time (the

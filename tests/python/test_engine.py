@@ -226,7 +226,10 @@ def test_workers_run_on_torchs_openmp_threads_and_a_forked_child_still_computes(
     import os
     import time
 
-    libraries = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    extension = kda._engine.__file__
+    with open(extension, "rb") as f:
+        assert b"libgomp.so.1" in f.read(), "the extension is built without GNU OpenMP"
+    libraries = {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line or "libomp" in line}
     assert len(libraries) == 1, libraries
     tensors, options = make_inputs(Case(B=1, T=300, H=2, HV=2, K=32, V=32, regime="strong"))
     with torch.no_grad():
