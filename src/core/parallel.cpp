@@ -196,20 +196,13 @@ std::atomic<bool> g_forked{false};
   return true;
 }();
 
-bool use_openmp(int workers) {
-  return !g_forked.load(std::memory_order_relaxed) && omp_get_level() == 0 &&
-         workers <= omp_get_max_threads();
-}
-
-// Runs job(0..n-1) on the OpenMP team (the caller is thread 0); job must not throw. The team is the
-// runtime's whole pool, never fewer: libgomp ends the threads a smaller team leaves out, and torch's
-// next operation would create them again (torch avoids the num_threads clause for this reason).
-void run_on_openmp(int n, const std::function<void(int)>& job) {
-  if (n == 1) {
-    FlushSubnormals flush;
-    job(0);
-    return;
-  }
+// Runs job(0..n-1) on the OpenMP team (the caller is thread 0) and returns true, or returns false
+// where the team is not to be used (see above) and runs nothing; job must not throw. The team is
+// the runtime's whole pool, never fewer: libgomp ends the threads a smaller team leaves out, and
+// torch's next operation would create them again (torch avoids the num_threads clause for this).
+bool run_on_openmp(int n, const std::function<void(int)>& job) {
+  if (n < 2 || g_forked.load(std::memory_order_relaxed) || omp_get_level() != 0 || n > omp_get_max_threads())
+    return false;
 #pragma omp parallel num_threads(omp_get_max_threads())
   {
     const int worker = omp_get_thread_num();
@@ -218,7 +211,10 @@ void run_on_openmp(int n, const std::function<void(int)>& job) {
       job(worker);
     }
   }
+  return true;
 }
+#else
+bool run_on_openmp(int, const std::function<void(int)>&) { return false; }
 #endif
 
 }  // namespace
@@ -337,14 +333,7 @@ void Runner::parallel_for(int64_t count, const std::function<void(int64_t, int)>
       }
     }
   };
-#ifdef KDA_OPENMP
-  if (use_openmp(workers)) {
-    run_on_openmp(workers, job);
-    if (error) std::rethrow_exception(error);
-    return;
-  }
-#endif
-  {
+  if (!run_on_openmp(workers, job)) {
     FlushSubnormals flush;  // the calling thread's mode is restored afterwards
     state_->pool.run(workers, job);
   }
