@@ -147,6 +147,33 @@ std::vector<DecodeCase> decode_cases() {
       }
     }
   }
+  // Row counts that are no multiple of the kernels' groups of four rows (K rows K-first, V rows
+  // V-first), rows of whole vectors, one token per request: the slot kernels' one-row tails, and on
+  // K-first pools their interleaving of consecutive items.
+  for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
+    for (DType pool : {DType::f32, DType::bf16}) {
+      for (GateWidth width : {GateWidth::per_key, GateWidth::per_head}) {
+        DecodeCase dc;
+        Case& c = dc.c;
+        c.B = 4;
+        c.T = 1;
+        c.H = 2;
+        c.HV = 4;
+        c.K = layout == StateLayout::k_first ? 23 : 32;
+        c.V = layout == StateLayout::k_first ? 32 : 23;
+        c.layout = layout;
+        c.initial_state = true;
+        c.regime = Regime::unbounded;
+        c.gate = GateMode::softplus;
+        c.beta = BetaMode::sigmoid;
+        c.qk_l2norm = true;
+        c.gate_width = width;
+        c.seed = 300 + static_cast<uint64_t>(i++);
+        dc.pool = pool;
+        cases.push_back(dc);
+      }
+    }
+  }
   return cases;
 }
 

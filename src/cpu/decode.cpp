@@ -2,24 +2,23 @@
 // recurrence
 //   S1 = diag(e^{g_t}) S0,   r = beta_t (v_t - S1^T k_t),   S2 = S1 + k_t r^T,   o_t = scale S2^T q_t
 // applied to the state in its pool slot's own layout, so that no transpose is ever needed:
-//  - V-first [V][K]: each row (one value channel over the key channels) is self-contained: decay,
-//    k^T S1, the correction and q^T S2 all happen in one visit of the row (two passes over it while it
+//  - V-first [V][K]: each row (one value channel over the key channels) is self-contained: k^T S1,
+//    the correction and the output all happen in one visit of the row (two passes over it while it
 //    sits in L1, four rows at a time).
 //  - K-first [K][V]: k^T S1 needs every row before any row can be corrected, so two sequential
-//    sweeps over the rows (k^T S1, then the correction and q^T S2); the state, 64 KiB at
-//    K = V = 128, stays in L2 between them.
-// In both, the first pass only reads (S1 = S0 * e is recomputed in the second, which stores): one
-// multiply is cheaper than a store and a dirty line. (The exception: from a bf16 slot the V-first
-// kernel keeps four rows of S1 in fp32, cheaper than widening them again.)
-// Decode moves the whole state twice per token for ~1 FLOP per byte: it is bound by memory
-// bandwidth, so the state is prefetched ahead of the rows being updated (the hardware prefetchers
-// stop at every 4 KiB page; prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on
-// two AVX2 cores), and on a K-first pool each worker, taking a contiguous share of the (request,
-// head) items, fetches its next item's state into L2 while the current one computes (NextState).
-// Every state is read from the pool once and written once per stored state: an fp32 state that goes
-// back to the slot it came from (the usual one-token step) is updated in place in the pool; otherwise (a bf16
-// pool, another slot, per-token states) the token kernels convert each group of rows into an fp32 working
-// copy as they first touch it and out of it as they finish it.
+//    sweeps over the rows; the state, 64 KiB at K = V = 128, is in L2 for the second.
+// Decode moves the whole state for ~1 FLOP per byte: it is bound by memory bandwidth, so the state
+// is prefetched ahead of the rows being read (the hardware prefetchers stop at every 4 KiB page;
+// prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on two AVX2 cores), on into
+// the next item's state, and each worker takes a contiguous share of the (request, head) items so
+// that it knows what it reads next.
+// The usual step, one token from a slot to a slot (the same one for an fp32 state updated in place),
+// runs the slot kernels: no working copy, the decay folded into the token's rows, and on a K-first
+// pool the second sweep of one item interleaved with the first sweep of the next ("one token from a
+// slot to a slot" below). Longer steps (speculative tokens, several tokens per request) run the token
+// kernels on an fp32 working state: the pool itself when an fp32 state returns to its own slot,
+// otherwise a copy that each group of rows enters as it is first touched and leaves as it is
+// finished, so that every state is still read once and written once per stored state.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -58,16 +57,25 @@ HWY_INLINE void prefetch_bytes(const void* base, size_t total, size_t from, size
   for (size_t a = from; a < std::min(from + count, total); a += 64) hwy::Prefetch(b + a);
 }
 
-// The state the worker's next item reads first, fetched into L2 while the current item runs: a
-// decode step is a stream of states, but the K-first kernel's second sweep runs from L2 and leaves
-// the memory idle, so the next state is requested over the current item's row groups, a share per
-// group. Into L2, not L1: the current item's rows live there. The V-first kernels stream their
-// state in one visit, and a second stream only competes with it: without it the 32 x 32 x 128^2
-// fp32 step took 1532-1617 us instead of 1832-1871 us (three alternating runs, two cores of an
-// AVX-512 Xeon, 2026-12-03; docs/performance.md).
+// The state the worker's next item reads first. The slot kernels run their prefetches on into its
+// first rows (stream). The K-first token kernel, whose second sweep runs from L2 and leaves the
+// memory idle, requests all of it over its second sweep's row groups, a share per group (rows).
 struct NextState {
   const char* data = nullptr;
   size_t bytes = 0;
+
+  // Prefetches bytes [from, from + count) of `state` (state_bytes long) followed by this next
+  // state, toward L1: the prefetches running ahead of a state's last rows go on into the next
+  // state's first rows, so that no item starts on misses.
+  HWY_INLINE void stream(const void* state, size_t state_bytes, size_t from, size_t count) const {
+    const char* b = static_cast<const char*>(state);
+    for (size_t a = from; a < from + count; a += 64) {
+      if (a < state_bytes)
+        hwy::Prefetch(b + a);
+      else if (a - state_bytes < bytes)
+        hwy::Prefetch(data + (a - state_bytes));
+    }
+  }
 
   // Prefetches the share of rows [r0, r0 + count) of `rows` rows.
   HWY_INLINE void rows(int64_t r0, int64_t count, int64_t rows_total) const {
@@ -149,19 +157,6 @@ HWY_INLINE void store_rows(const StateRows& dst, int64_t r0, int64_t count, cons
                   sizeof(float) * static_cast<size_t>(dst.len));
   }
 }
-
-struct DecodeWork {
-  int64_t Kp, Vp;
-  Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
-  Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
-  Buffer<float> scratch;              // K-first: k^T S1 (Vp); the V-first slot kernel: 4 rows (4 Kp)
-  DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)) {
-    S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
-    q.reset(kTokens * Kp), k.reset(kTokens * Kp), e.reset(kTokens * Kp), v.reset(kTokens * Vp);
-    o.reset(kTokens * Vp), beta.reset(kTokens);
-    scratch.reset(static_cast<size_t>(std::max(Vp, 4 * Kp)));
-  }
-};
 
 // One token on a V-first state [V][ld] (ld a multiple of the vector length; lanes past K: zero in q,
 // k and the state, one in e, so they stay zero).
@@ -304,138 +299,222 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
 }
 
-// ---- one token straight from a slot to a slot -----------------------------------------------------
-// The usual decode step that cannot run in place (a bf16 pool, or a state going to another slot): the
-// state is read from its slot and the new one written to its destination with no fp32 working copy,
-// converting in registers. The first pass only reads the state, so the second reads the source
-// again (from L1 or L2; the V-first kernel from a bf16 source: the fp32 rows its first pass kept in
-// scratch) and stores the result.
+// ---- one token from a slot to a slot -------------------------------------------------------------
+// The usual decode step: one token, its state read from its slot and the new one written to its
+// destination (the same slot when the step is in place, an fp32 state returning to where it came
+// from), converting in registers, no working copy. The decay is folded into the token's rows first:
+// with ke = k * e and qe = q * e (per key channel),
+//   k^T S1 = ke^T S0,   o = scale q^T S2 = scale (qe^T S0 + (q . k) r),   S2 = diag(e) S0 + k r^T,
+// so the first pass only reads S0, for two dot products, and the second writes S2: four vector
+// operations per vector of the state (two multiply-adds, then a multiply and a multiply-add), where
+// multiplying by e in the first pass and summing q^T S2 in the second took five.
+// A per-head gate (the gated delta rule) runs the same kernels: once folded, a per-channel decay costs
+// what a per-head one does (one multiply per element in the second pass, by a loaded vector or a
+// broadcast number, which the load ports absorb), so a second set of kernels would gain nothing.
 // Rows must be whole vectors (len % lanes == 0).
 
-// V-first [V][K] rows (len = K) from src to dst: groups of four rows, then one row at a time (the
-// accumulators stay in registers only when the compiler sees their count). From a bf16 source the
-// first pass keeps the decayed rows S0 * e in fp32 in `decayed` (four rows, in L1), so that the
-// second pass neither widens nor decays them again: the bf16 kernels are bound by instructions.
-template <typename Src, typename Dst>
-void slot_token_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, const float* HWY_RESTRICT q,
-                        const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* v, float beta,
-                        float scale, float* o, float* HWY_RESTRICT decayed) {
+// One token's rows, as the slot kernels read them (Kp or Vp floats each, padded lanes zero; e one).
+struct SlotToken {
+  Buffer<float> q, k, v, e, ke, qe;  // as loaded (e = exp(g)), then k * e and q * e
+  Buffer<float> sum_k, sum_q;        // K-first: ke^T S0, then the residual r; qe^T S0
+  Buffer<float> o;                   // scale q^T S2
+  float beta = 0.0f, kq = 0.0f;
+  core::StateRef src, dst;  // the head's state in its slot, and where the new one goes
+  SlotToken(int64_t Kp, int64_t Vp) {
+    for (Buffer<float>* b : {&q, &k, &e, &ke, &qe}) b->reset(static_cast<size_t>(Kp));
+    for (Buffer<float>* b : {&v, &sum_k, &sum_q, &o}) b->reset(static_cast<size_t>(Vp));
+  }
+};
+
+// Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: 4 K floats): both
+// passes while the rows sit in L1. From a bf16 source the first pass keeps the widened rows in
+// `kept`, so that the second neither reads nor widens them again: the bf16 kernels are bound by
+// instructions.
+template <int R, typename Src, typename Dst>
+HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
+                             float* HWY_RESTRICT kept) {
   const DF d;
   const int64_t L = lanes();
+  constexpr bool kKeep = std::is_same_v<Src, uint16_t>;
+  VectorArray<R> u, w, res;
+  for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
+  for (int64_t i = 0; i < K; i += L) {
+    const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
+    for (int r = 0; r < R; ++r) {
+      const VF s = load_state(src + (r0 + r) * K + i);
+      if constexpr (kKeep) hn::StoreU(s, d, kept + r * K + i);
+      u.set(r, hn::MulAdd(s, ke, u.get(r)));
+      w.set(r, hn::MulAdd(s, qe, w.get(r)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float x = t.beta * (t.v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))));
+    res.set(r, hn::Set(d, x));
+    t.o[r0 + r] = scale * (hn::GetLane(hn::SumOfLanes(d, w.get(r))) + t.kq * x);
+  }
+  for (int64_t i = 0; i < K; i += L) {
+    const VF e = hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
+    for (int r = 0; r < R; ++r) {
+      VF s;
+      if constexpr (kKeep)
+        s = hn::LoadU(d, kept + r * K + i);
+      else
+        s = load_state(src + (r0 + r) * K + i);
+      store_state(hn::MulAdd(s, e, hn::Mul(res.get(r), k)), dst + (r0 + r) * K + i);
+    }
+  }
+}
+
+// The whole step on a V-first [V][K] state: rows four at a time, each row self-contained.
+template <typename Src, typename Dst>
+void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
+                  const NextState& next) {
   constexpr int R = 4;
-  constexpr bool kKeepDecayed = std::is_same_v<Src, uint16_t>;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
-    prefetch_bytes(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
-    VectorArray<R> u, res, out;
-    for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), out.set(r, hn::Zero(d));
-    for (int64_t i = 0; i < K; i += L) {
-      const VF ve = hn::LoadU(d, e + i), vk = hn::LoadU(d, k + i);
-      for (int r = 0; r < R; ++r) {
-        const VF s1 = hn::Mul(load_state(src + (r0 + r) * K + i), ve);
-        if constexpr (kKeepDecayed) hn::StoreU(s1, d, decayed + r * K + i);
-        u.set(r, hn::MulAdd(s1, vk, u.get(r)));
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      res.set(r, hn::Set(d, beta * (v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))))));
-    for (int64_t i = 0; i < K; i += L) {
-      const VF ve = hn::LoadU(d, e + i), vq = hn::LoadU(d, q + i), vk = hn::LoadU(d, k + i);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * K + i;
-        VF s1;
-        if constexpr (kKeepDecayed)
-          s1 = hn::LoadU(d, decayed + r * K + i);
-        else
-          s1 = hn::Mul(load_state(src + at), ve);
-        const VF x = hn::MulAdd(res.get(r), vk, s1);
-        out.set(r, hn::MulAdd(x, vq, out.get(r)));
-        store_state(x, dst + at);
-      }
-    }
-    for (int r = 0; r < R; ++r) o[r0 + r] = scale * hn::GetLane(hn::SumOfLanes(d, out.get(r)));
+    next.stream(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
+    v_first_rows<R>(src, dst, r0, K, t, scale, kept);
   }
-  for (; r0 < V; ++r0) {
-    const Src* row = src + r0 * K;
-    VF u = hn::Zero(d), out = hn::Zero(d);
-    for (int64_t i = 0; i < K; i += L)
-      u = hn::MulAdd(hn::Mul(load_state(row + i), hn::LoadU(d, e + i)), hn::LoadU(d, k + i), u);
-    const VF res = hn::Set(d, beta * (v[r0] - hn::GetLane(hn::SumOfLanes(d, u))));
-    for (int64_t i = 0; i < K; i += L) {
-      const VF x = hn::MulAdd(res, hn::LoadU(d, k + i), hn::Mul(load_state(row + i), hn::LoadU(d, e + i)));
-      out = hn::MulAdd(x, hn::LoadU(d, q + i), out);
-      store_state(x, dst + r0 * K + i);
-    }
-    o[r0] = scale * hn::GetLane(hn::SumOfLanes(d, out));
-  }
+  for (; r0 < V; ++r0) v_first_rows<1>(src, dst, r0, K, t, scale, kept);
 }
 
-// K-first [K][V] rows (len = V) from src to dst; acc is scratch of V floats.
-template <typename Src, typename Dst>
-void slot_token_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, const float* HWY_RESTRICT q,
-                        const float* HWY_RESTRICT k, const float* HWY_RESTRICT e, const float* HWY_RESTRICT v,
-                        float beta, float scale, float* HWY_RESTRICT o, float* HWY_RESTRICT acc,
-                        const NextState& next) {
+// The first pass over rows [r0, r0 + R) of a K-first [K][V] state: sum_k += ke_r S0[r] and
+// sum_q += qe_r S0[r], the sums in L1 (V floats each), R rows per visit of them.
+template <int R, typename Src>
+HWY_INLINE void k_first_sums(const Src* src, int64_t r0, int64_t V, SlotToken& t) {
   const DF d;
   const int64_t L = lanes();
-  constexpr int R = 4;
-  for (int64_t j = 0; j < V; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
-  for (int64_t r0 = 0; r0 < K; r0 += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, K - r0));
-    prefetch_bytes(src, sizeof(Src) * K * V, sizeof(Src) * r0 * V + 2 * kPrefetchBytes,
-                   sizeof(Src) * rows * V);
-    for (int r = 0; r < rows; ++r) {
-      const VF ve = hn::Set(d, e[r0 + r]), vk = hn::Set(d, k[r0 + r]);
-      const Src* row = src + (r0 + r) * V;
-      for (int64_t j = 0; j < V; j += L)
-        hn::StoreU(hn::MulAdd(vk, hn::Mul(load_state(row + j), ve), hn::LoadU(d, acc + j)), d, acc + j);
-    }
-  }
-  const VF vb = hn::Set(d, beta);
+  VectorArray<R> ke, qe;
+  for (int r = 0; r < R; ++r) ke.set(r, hn::Set(d, t.ke[r0 + r])), qe.set(r, hn::Set(d, t.qe[r0 + r]));
+  float* HWY_RESTRICT sk = t.sum_k.data();
+  float* HWY_RESTRICT sq = t.sum_q.data();
   for (int64_t j = 0; j < V; j += L) {
-    hn::StoreU(hn::Mul(vb, hn::Sub(hn::LoadU(d, v + j), hn::LoadU(d, acc + j))), d, acc + j);
-    hn::StoreU(hn::Zero(d), d, o + j);
-  }
-  for (int64_t r0 = 0; r0 < K; ++r0) {
-    next.rows(r0, 1, K);
-    const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
-    const Src* row = src + r0 * V;
-    Dst* to = dst + r0 * V;
-    for (int64_t j = 0; j < V; j += L) {
-      const VF x = hn::MulAdd(vk, hn::LoadU(d, acc + j), hn::Mul(load_state(row + j), ve));
-      hn::StoreU(hn::MulAdd(vq, x, hn::LoadU(d, o + j)), d, o + j);
-      store_state(x, to + j);
+    VF a = hn::LoadU(d, sk + j), b = hn::LoadU(d, sq + j);
+    for (int r = 0; r < R; ++r) {
+      const VF s = load_state(src + (r0 + r) * V + j);
+      a = hn::MulAdd(ke.get(r), s, a);
+      b = hn::MulAdd(qe.get(r), s, b);
     }
+    hn::StoreU(a, d, sk + j);
+    hn::StoreU(b, d, sq + j);
   }
-  const VF vs = hn::Set(d, scale);
-  for (int64_t j = 0; j < V; j += L) hn::StoreU(hn::Mul(vs, hn::LoadU(d, o + j)), d, o + j);
 }
 
-// Runs the slot-to-slot token for the dtypes of src and dst (scratch: DecodeWork::scratch).
+// The second pass over rows [r0, r0 + R) of a K-first state: S2[r] = e_r S0[r] + k_r r (r in sum_k).
+template <int R, typename Src, typename Dst>
+HWY_INLINE void k_first_update(const Src* src, Dst* dst, int64_t r0, int64_t V, const SlotToken& t) {
+  const DF d;
+  const int64_t L = lanes();
+  const float* HWY_RESTRICT res = t.sum_k.data();
+  for (int r = 0; r < R; ++r) {
+    const VF e = hn::Set(d, t.e[r0 + r]), k = hn::Set(d, t.k[r0 + r]);
+    const Src* row = src + (r0 + r) * V;
+    Dst* to = dst + (r0 + r) * V;
+    for (int64_t j = 0; j < V; j += L)
+      store_state(hn::MulAdd(load_state(row + j), e, hn::Mul(k, hn::LoadU(d, res + j))), to + j);
+  }
+}
+
+// A K-first step needs all of k^T S1 before any row of S2: two sweeps over the rows, the second
+// from L2, with the memory idle while it runs. So the steps of consecutive items are interleaved
+// (KFirstSteps): the second sweep of one item runs group by group with the first sweep of the next,
+// which streams from memory meanwhile, as a read-modify-write pass would. Each item's arithmetic is
+// the same whether it is interleaved or not (the passes only alternate), so results do not depend on
+// how the items fall to workers.
+constexpr int kKFirstRows = 4;  // rows per group
+
+// The first sweep of item b's state, interleaved group by group with the second sweep of item a's
+// (a null: none). Then b's residual and output.
 template <typename Src, typename Dst>
-void slot_token(const core::Plan& plan, const void* src, void* dst, const float* q, const float* k,
-                const float* e, const float* v, float beta, float* o, float* scratch, const NextState& next) {
-  const Src* s = static_cast<const Src*>(src);
-  Dst* t = static_cast<Dst*>(dst);
-  if (plan.v_first())
-    slot_token_v_first(s, t, plan.V, plan.K, q, k, e, v, beta, plan.scale, o, scratch);
-  else
-    slot_token_k_first(s, t, plan.K, plan.V, q, k, e, v, beta, plan.scale, o, scratch, next);
+void k_first_step(const core::Plan& plan, SlotToken* a, SlotToken& b, const NextState& next) {
+  const DF d;
+  const int64_t K = plan.K, V = plan.V, L = lanes();
+  constexpr int R = kKFirstRows;
+  const Src* src_b = static_cast<const Src*>(b.src.data);
+  for (int64_t j = 0; j < V; j += L) {
+    hn::StoreU(hn::Zero(d), d, b.sum_k.data() + j);
+    hn::StoreU(hn::Zero(d), d, b.sum_q.data() + j);
+  }
+  const Src* src_a = a != nullptr ? static_cast<const Src*>(a->src.data) : nullptr;
+  Dst* dst_a = a != nullptr ? static_cast<Dst*>(a->dst.data) : nullptr;
+  int64_t r0 = 0;
+  for (; r0 + R <= K; r0 += R) {
+    if (a != nullptr) k_first_update<R>(src_a, dst_a, r0, V, *a);
+    next.stream(src_b, sizeof(Src) * K * V, sizeof(Src) * r0 * V + 2 * kPrefetchBytes, sizeof(Src) * R * V);
+    k_first_sums<R>(src_b, r0, V, b);
+  }
+  for (; r0 < K; ++r0) {
+    if (a != nullptr) k_first_update<1>(src_a, dst_a, r0, V, *a);
+    k_first_sums<1>(src_b, r0, V, b);
+  }
+  const VF beta = hn::Set(d, b.beta), kq = hn::Set(d, b.kq), scale = hn::Set(d, plan.scale);
+  for (int64_t j = 0; j < V; j += L) {
+    const VF r = hn::Mul(beta, hn::Sub(hn::LoadU(d, b.v.data() + j), hn::LoadU(d, b.sum_k.data() + j)));
+    hn::StoreU(r, d, b.sum_k.data() + j);
+    hn::StoreU(hn::Mul(scale, hn::MulAdd(kq, r, hn::LoadU(d, b.sum_q.data() + j))), d, b.o.data() + j);
+  }
 }
 
-void slot_token(const core::Plan& plan, const core::StateRef& src, const core::StateRef& dst, const float* q,
-                const float* k, const float* e, const float* v, float beta, float* o, float* scratch,
-                const NextState& next) {
+// The second sweep of item a alone (the last of a worker's run of K-first steps).
+template <typename Src, typename Dst>
+void k_first_finish(const core::Plan& plan, const SlotToken& a) {
+  const Src* src = static_cast<const Src*>(a.src.data);
+  Dst* dst = static_cast<Dst*>(a.dst.data);
+  int64_t r0 = 0;
+  for (; r0 + kKFirstRows <= plan.K; r0 += kKFirstRows) k_first_update<kKFirstRows>(src, dst, r0, plan.V, a);
+  for (; r0 < plan.K; ++r0) k_first_update<1>(src, dst, r0, plan.V, a);
+}
+
+// Calls f.template operator()<Src, Dst>() for the dtypes of a slot step.
+template <typename F>
+void with_state_types(const core::StateRef& src, const core::StateRef& dst, const F& f) {
   const bool src16 = src.dtype == DType::bf16, dst16 = dst.dtype == DType::bf16;
   if (src16 && dst16)
-    slot_token<uint16_t, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
+    f.template operator()<uint16_t, uint16_t>();
   else if (src16)
-    slot_token<uint16_t, float>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
+    f.template operator()<uint16_t, float>();
   else if (dst16)
-    slot_token<float, uint16_t>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
+    f.template operator()<float, uint16_t>();
   else
-    slot_token<float, float>(plan, src.data, dst.data, q, k, e, v, beta, o, scratch, next);
+    f.template operator()<float, float>();
 }
+
+// Loads the token of item (sequence, hv) into t and folds its decay in. Padded lanes: zero in q and
+// k (so in ke, qe and q . k), one in e.
+void load_slot_token(const core::Plan& plan, const ForwardInputs& fwd, const core::Sequence& seq, int64_t hv,
+                     SlotToken& t) {
+  const DF d;
+  const int64_t K = plan.K, Kp = padded(K);
+  load_chunk_rows(plan, fwd, seq, hv, 0, 1,
+                  ChunkRows{t.q.data(), t.k.data(), t.v.data(), t.e.data(), &t.beta, nullptr, nullptr});
+  std::fill(t.q.data() + K, t.q.data() + Kp, 0.0f);
+  std::fill(t.k.data() + K, t.k.data() + Kp, 0.0f);
+  std::fill(t.e.data() + K, t.e.data() + Kp, 0.0f);
+  VF kq = hn::Zero(d);
+  for (int64_t c = 0; c < Kp; c += lanes()) {
+    const VF e = exp_nonpositive(d, hn::LoadU(d, t.e.data() + c));
+    const VF k = hn::LoadU(d, t.k.data() + c), q = hn::LoadU(d, t.q.data() + c);
+    hn::StoreU(e, d, t.e.data() + c);
+    hn::StoreU(hn::Mul(k, e), d, t.ke.data() + c);
+    hn::StoreU(hn::Mul(q, e), d, t.qe.data() + c);
+    kq = hn::MulAdd(k, q, kq);
+  }
+  t.kq = hn::GetLane(hn::SumOfLanes(d, kq));
+}
+
+struct DecodeWork {
+  int64_t Kp, Vp;
+  Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
+  Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
+  Buffer<float> scratch;              // K-first: k^T S1 (Vp); V-first slot steps from bf16: 4 rows (4 Kp)
+  SlotToken slot_a, slot_b;           // slot steps: the current one and the pending K-first one
+  DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)), slot_a(Kp, Vp), slot_b(Kp, Vp) {
+    S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
+    q.reset(kTokens * Kp), k.reset(kTokens * Kp), e.reset(kTokens * Kp), v.reset(kTokens * Vp);
+    o.reset(kTokens * Vp), beta.reset(kTokens);
+    scratch.reset(static_cast<size_t>(std::max(Vp, 4 * Kp)));
+  }
+};
 
 // The working state of one (request, head), in the state's own layout: the pool itself when an
 // fp32 state returns to its own slot and its rows are whole vectors (updated in place), else the
@@ -494,20 +573,6 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
   }
   const ChunkRows rows{w.q.data(), w.k.data(), w.v.data(), w.e.data(), w.beta.data(), nullptr, nullptr};
   const DF d;
-  // One token from a slot to a slot (a bf16 pool, another slot): no working copy at all.
-  const core::StateRef& single_dst = plan.decode_columns > 1
-                                         ? plan.token_states[static_cast<size_t>(n * plan.decode_columns)]
-                                         : plan.final[n];
-  if (!in_place && seq.length == 1 && initial && single_dst && len % lanes() == 0) {
-    load_chunk_rows(plan, in.fwd, seq, hv, 0, 1, rows);
-    std::fill(w.e.data() + plan.K, w.e.data() + Kp, 0.0f);
-    for (int64_t c = 0; c < Kp; c += lanes())
-      hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.e.data() + c)), d, w.e.data() + c);
-    slot_token(plan, head_state(plan, initial, hv), head_state(plan, single_dst, hv), w.q.data(), w.k.data(),
-               w.e.data(), w.v.data(), w.beta[0], w.o.data(), w.scratch.data(), next);
-    store_row(out.o, seq.batch_index, seq.first_token, hv, V, w.o.data());
-    return;
-  }
   for (int64_t t0 = 0; t0 < seq.length; t0 += kTokens) {
     const int64_t count = std::min(kTokens, seq.length - t0);
     load_chunk_rows(plan, in.fwd, seq, hv, t0, count, rows);
@@ -541,6 +606,79 @@ void decode_item(const core::Plan& plan, const DecodeInputs& in, const DecodeOut
   }
 }
 
+// Fetches the first token's rows of item (n, hv) (q, k, v, g, beta) ahead of its turn: each lies
+// in its own part of an activation tensor, and a miss on them would hold up the item's start.
+void prefetch_token_rows(const core::Plan& plan, const ForwardInputs& in, int64_t n, int64_t hv) {
+  const core::Sequence& seq = plan.sequences[n];
+  if (seq.length == 0 || (!plan.padding.empty() && plan.padding[n])) return;
+  const auto row = [&](const Input& v, int64_t h, int64_t count) {
+    const char* p = reinterpret_cast<const char*>(core::element_ptr(v, seq.batch_index, seq.first_token, h));
+    const int64_t bytes = count * static_cast<int64_t>(core::dtype_size(v.dtype));
+    for (int64_t a = 0; a < bytes; a += 64) hwy::Prefetch(p + a);
+    hwy::Prefetch(p + bytes - 1);
+  };
+  row(in.q, hv / plan.group, plan.K);
+  row(in.k, hv / plan.group, plan.K);
+  row(in.v, hv, plan.V);
+  row(in.g, hv, plan.gate_dim);
+  row(in.beta, hv, 1);
+}
+
+// The slot steps of one worker's run of items (see "one token from a slot to a slot"): a V-first
+// step runs whole; a K-first step runs its first sweep, interleaved with the second sweep of the
+// pending one, and is pending itself until the next step or finish().
+class SlotSteps {
+ public:
+  SlotSteps(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, DecodeWork& w)
+      : plan_(plan), in_(in), out_(out), w_(w) {}
+
+  // Runs item (n, hv) if it is a slot step: one token from its state's slot to a stored state, rows
+  // of whole vectors. Returns false, having done nothing, otherwise.
+  bool run(int64_t n, int64_t hv, const NextState& next) {
+    const core::Sequence& seq = plan_.sequences[n];
+    if (seq.length != 1 || (!plan_.padding.empty() && plan_.padding[n])) return false;
+    const core::StateRef& initial = plan_.initial[n];
+    const core::StateRef& stored = plan_.decode_columns > 1
+                                       ? plan_.token_states[static_cast<size_t>(n * plan_.decode_columns)]
+                                       : plan_.final[n];
+    if (!initial || !stored || state_row_length(plan_) % lanes() != 0) return false;
+    SlotToken& t = pending_ == &w_.slot_a ? w_.slot_b : w_.slot_a;
+    load_slot_token(plan_, in_.fwd, seq, hv, t);
+    t.src = head_state(plan_, initial, hv);
+    t.dst = head_state(plan_, stored, hv);
+    if (plan_.v_first()) {
+      with_state_types(t.src, t.dst, [&]<typename Src, typename Dst>() {
+        slot_v_first(static_cast<const Src*>(t.src.data), static_cast<Dst*>(t.dst.data), plan_.V, plan_.K, t,
+                     plan_.scale, w_.scratch.data(), next);
+      });
+    } else {
+      if (pending_ != nullptr && (pending_->src.dtype != t.src.dtype || pending_->dst.dtype != t.dst.dtype))
+        finish();
+      with_state_types(t.src, t.dst, [&]<typename Src, typename Dst>() {
+        k_first_step<Src, Dst>(plan_, pending_, t, next);
+      });
+      pending_ = &t;
+    }
+    store_row(out_.o, seq.batch_index, seq.first_token, hv, plan_.V, t.o.data());
+    return true;
+  }
+
+  // Runs the second sweep of the pending K-first step, if any.
+  void finish() {
+    if (pending_ == nullptr) return;
+    with_state_types(pending_->src, pending_->dst,
+                     [&]<typename Src, typename Dst>() { k_first_finish<Src, Dst>(plan_, *pending_); });
+    pending_ = nullptr;
+  }
+
+ private:
+  const core::Plan& plan_;
+  const DecodeInputs& in_;
+  const DecodeOutputs& out_;
+  DecodeWork& w_;
+  SlotToken* pending_ = nullptr;  // a K-first step whose second sweep is still to run
+};
+
 // The state item (n, hv) reads first: its initial state's head (none for padding rows and requests
 // without one).
 NextState first_state_of(const core::Plan& plan, int64_t n, int64_t hv) {
@@ -557,8 +695,9 @@ NextState first_state_of(const core::Plan& plan, int64_t n, int64_t hv) {
 void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
-  // Each worker takes a contiguous share of the (request, head) items, so that it knows the state it
-  // reads next and, on a K-first pool, fetches it while the current item computes (NextState).
+  // Each worker takes a contiguous share of the (request, head) items, so that it knows what it reads
+  // next: the next item's token rows and state are prefetched (NextState), and K-first slot steps
+  // run interleaved (SlotSteps).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
   // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves:
   // one request of 32 heads of 128 x 128 (2 MiB) took 140 us on one thread and 204 us on two inside
@@ -569,12 +708,19 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
       std::clamp<int64_t>(state_bytes / kDecodeBytesPerWorker, 1, std::min<int64_t>(items, run.threads()));
   run.parallel_for(shares, [&](int64_t share, int worker) {
     const int64_t first = items * share / shares, last = items * (share + 1) / shares;
+    DecodeWork& w = *work[static_cast<size_t>(worker)];
+    SlotSteps slot_steps(plan, in, out, w);
     for (int64_t item = first; item < last; ++item) {
-      const NextState next = item + 1 < last && !plan.v_first()
-                                 ? first_state_of(plan, (item + 1) / plan.HV, (item + 1) % plan.HV)
-                                 : NextState{};
-      decode_item(plan, in, out, item / plan.HV, item % plan.HV, *work[static_cast<size_t>(worker)], next);
+      NextState next;
+      if (item + 1 < last) {
+        prefetch_token_rows(plan, in.fwd, (item + 1) / plan.HV, (item + 1) % plan.HV);
+        next = first_state_of(plan, (item + 1) / plan.HV, (item + 1) % plan.HV);
+      }
+      if (slot_steps.run(item / plan.HV, item % plan.HV, next)) continue;
+      slot_steps.finish();
+      decode_item(plan, in, out, item / plan.HV, item % plan.HV, w, plan.v_first() ? NextState{} : next);
     }
+    slot_steps.finish();
   });
 }
 
