@@ -20,6 +20,7 @@
 // otherwise a copy that each group of rows enters as it is first touched and leaves as it is
 // finished, so that every state is still read once and written once per stored state.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -313,7 +314,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
 // broadcast number, which the load ports absorb), so a second set of kernels would gain nothing.
 // Rows must be whole vectors (len % lanes == 0).
 
-// One token's rows, as the slot kernels read them (Kp or Vp floats each, padded lanes zero; e one).
+// One token's rows, as the slot kernels read them (Kp or Vp floats each; padded lanes of q and k zero).
 struct SlotToken {
   Buffer<float> q, k, v, e, ke, qe;  // as loaded (e = exp(g)), then k * e and q * e
   Buffer<float> sum_k, sum_q;        // K-first: ke^T S0, then the residual r; qe^T S0
@@ -480,7 +481,7 @@ void with_state_types(const core::StateRef& src, const core::StateRef& dst, cons
 }
 
 // Loads the token of item (sequence, hv) into t and folds its decay in. Padded lanes: zero in q and
-// k (so in ke, qe and q . k), one in e.
+// k (so in ke, qe and q . k).
 void load_slot_token(const core::Plan& plan, const ForwardInputs& fwd, const core::Sequence& seq, int64_t hv,
                      SlotToken& t) {
   const DF d;
@@ -490,9 +491,13 @@ void load_slot_token(const core::Plan& plan, const ForwardInputs& fwd, const cor
   std::fill(t.q.data() + K, t.q.data() + Kp, 0.0f);
   std::fill(t.k.data() + K, t.k.data() + Kp, 0.0f);
   std::fill(t.e.data() + K, t.e.data() + Kp, 0.0f);
+  // A per-head gate (the gated delta rule) is one decay for the whole state: one exponential, as
+  // the recurrent forward takes it (padded lanes: zero state, so any factor keeps them zero).
+  const bool per_head = plan.per_head_gate();
+  const VF head_e = hn::Set(d, per_head ? std::exp(std::min(t.e[0], 0.0f)) : 0.0f);
   VF kq = hn::Zero(d);
   for (int64_t c = 0; c < Kp; c += lanes()) {
-    const VF e = exp_nonpositive(d, hn::LoadU(d, t.e.data() + c));
+    const VF e = per_head ? head_e : exp_nonpositive(d, hn::LoadU(d, t.e.data() + c));
     const VF k = hn::LoadU(d, t.k.data() + c), q = hn::LoadU(d, t.q.data() + c);
     hn::StoreU(e, d, t.e.data() + c);
     hn::StoreU(hn::Mul(k, e), d, t.ke.data() + c);
