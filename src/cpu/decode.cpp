@@ -70,12 +70,12 @@ struct NextState {
   // state's first rows, so that no item starts on misses.
   HWY_INLINE void stream(const void* state, size_t state_bytes, size_t from, size_t count) const {
     const char* b = static_cast<const char*>(state);
-    for (size_t a = from; a < from + count; a += 64) {
-      if (a < state_bytes)
-        hwy::Prefetch(b + a);
-      else if (a - state_bytes < bytes)
-        hwy::Prefetch(data + (a - state_bytes));
-    }
+    const size_t to = from + count, in_state = std::min(to, state_bytes);
+    for (size_t a = from; a < in_state; a += 64) hwy::Prefetch(b + a);
+    if (to <= state_bytes) return;
+    const size_t next_to = std::min(to - state_bytes, bytes);
+    for (size_t a = from > state_bytes ? from - state_bytes : 0; a < next_to; a += 64)
+      hwy::Prefetch(data + a);
   }
 
   // Prefetches the share of rows [r0, r0 + count) of `rows` rows.
@@ -98,6 +98,14 @@ struct NextState {
 HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
 HWY_INLINE VF load_state(const uint16_t* p) { return load_bf16(p); }
 HWY_INLINE void store_state(VF x, float* p) { hn::StoreU(x, DF(), p); }
+// A state vector used by two products, held in a register: GCC otherwise folds the load into both
+// products, and the second load costs a load-port slot, which these kernels run short of (x86).
+HWY_INLINE VF held(VF x) {
+#if HWY_ARCH_X86 && (defined(__GNUC__) || defined(__clang__))
+  asm("" : "+v"(x));
+#endif
+  return x;
+}
 HWY_INLINE void store_state(VF x, uint16_t* p) { store_bf16(x, p); }
 
 // n elements between a state row and an fp32 row; the tails use the scalar forms.
@@ -330,31 +338,39 @@ struct SlotToken {
 // Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: 4 K floats): both
 // passes while the rows sit in L1. From a bf16 source the first pass keeps the widened rows in
 // `kept`, so that the second neither reads nor widens them again: the bf16 kernels are bound by
-// instructions.
-template <int R, typename Src, typename Dst>
+// instructions. With a per-head gate (kHeadGate) the decay is one number a: the first pass sums
+// against k and q, a scales the two sums, and the second pass multiplies by a broadcast a, so that
+// neither pass loads a gate vector (loads are what these kernels are short of).
+template <int R, bool kHeadGate, typename Src, typename Dst>
 HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
                              float* HWY_RESTRICT kept) {
   const DF d;
   const int64_t L = lanes();
   constexpr bool kKeep = std::is_same_v<Src, uint16_t>;
+  const float* HWY_RESTRICT by_k = kHeadGate ? t.k.data() : t.ke.data();
+  const float* HWY_RESTRICT by_q = kHeadGate ? t.q.data() : t.qe.data();
+  const float a = t.e[0];  // the head's decay, kHeadGate only
   VectorArray<R> u, w, res;
   for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
   for (int64_t i = 0; i < K; i += L) {
-    const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
+    const VF ke = hn::LoadU(d, by_k + i), qe = hn::LoadU(d, by_q + i);
     for (int r = 0; r < R; ++r) {
-      const VF s = load_state(src + (r0 + r) * K + i);
+      const VF s = held(load_state(src + (r0 + r) * K + i));
       if constexpr (kKeep) hn::StoreU(s, d, kept + r * K + i);
       u.set(r, hn::MulAdd(s, ke, u.get(r)));
       w.set(r, hn::MulAdd(s, qe, w.get(r)));
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float x = t.beta * (t.v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))));
+    float sum_k = hn::GetLane(hn::SumOfLanes(d, u.get(r))), sum_q = hn::GetLane(hn::SumOfLanes(d, w.get(r)));
+    if constexpr (kHeadGate) sum_k *= a, sum_q *= a;
+    const float x = t.beta * (t.v[r0 + r] - sum_k);
     res.set(r, hn::Set(d, x));
-    t.o[r0 + r] = scale * (hn::GetLane(hn::SumOfLanes(d, w.get(r))) + t.kq * x);
+    t.o[r0 + r] = scale * (sum_q + t.kq * x);
   }
+  const VF head_e = hn::Set(d, a);
   for (int64_t i = 0; i < K; i += L) {
-    const VF e = hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
+    const VF e = kHeadGate ? head_e : hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
     for (int r = 0; r < R; ++r) {
       VF s;
       if constexpr (kKeep)
@@ -367,16 +383,16 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
 }
 
 // The whole step on a V-first [V][K] state: rows four at a time, each row self-contained.
-template <typename Src, typename Dst>
+template <bool kHeadGate, typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
   constexpr int R = 4;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
     next.stream(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
-    v_first_rows<R>(src, dst, r0, K, t, scale, kept);
+    v_first_rows<R, kHeadGate>(src, dst, r0, K, t, scale, kept);
   }
-  for (; r0 < V; ++r0) v_first_rows<1>(src, dst, r0, K, t, scale, kept);
+  for (; r0 < V; ++r0) v_first_rows<1, kHeadGate>(src, dst, r0, K, t, scale, kept);
 }
 
 // The first pass over rows [r0, r0 + R) of a K-first [K][V] state: sum_k += ke_r S0[r] and
@@ -392,7 +408,7 @@ HWY_INLINE void k_first_sums(const Src* src, int64_t r0, int64_t V, SlotToken& t
   for (int64_t j = 0; j < V; j += L) {
     VF a = hn::LoadU(d, sk + j), b = hn::LoadU(d, sq + j);
     for (int r = 0; r < R; ++r) {
-      const VF s = load_state(src + (r0 + r) * V + j);
+      const VF s = held(load_state(src + (r0 + r) * V + j));
       a = hn::MulAdd(ke.get(r), s, a);
       b = hn::MulAdd(qe.get(r), s, b);
     }
@@ -653,8 +669,12 @@ class SlotSteps {
     t.dst = head_state(plan_, stored, hv);
     if (plan_.v_first()) {
       with_state_types(t.src, t.dst, [&]<typename Src, typename Dst>() {
-        slot_v_first(static_cast<const Src*>(t.src.data), static_cast<Dst*>(t.dst.data), plan_.V, plan_.K, t,
-                     plan_.scale, w_.scratch.data(), next);
+        const Src* src = static_cast<const Src*>(t.src.data);
+        Dst* dst = static_cast<Dst*>(t.dst.data);
+        if (plan_.per_head_gate())
+          slot_v_first<true>(src, dst, plan_.V, plan_.K, t, plan_.scale, w_.scratch.data(), next);
+        else
+          slot_v_first<false>(src, dst, plan_.V, plan_.K, t, plan_.scale, w_.scratch.data(), next);
       });
     } else {
       if (pending_ != nullptr && (pending_->src.dtype != t.src.dtype || pending_->dst.dtype != t.dst.dtype))
