@@ -98,15 +98,16 @@ struct NextState {
 HWY_INLINE VF load_state(const float* p) { return hn::LoadU(DF(), p); }
 HWY_INLINE VF load_state(const uint16_t* p) { return load_bf16(p); }
 HWY_INLINE void store_state(VF x, float* p) { hn::StoreU(x, DF(), p); }
+HWY_INLINE void store_state(VF x, uint16_t* p) { store_bf16(x, p); }
 // A state vector used by two products, held in a register: GCC otherwise folds the load into both
 // products, and the second load costs a load-port slot, which these kernels run short of (x86).
+// Clang refuses a register constraint on Highway's vector struct, so it goes without.
 HWY_INLINE VF held(VF x) {
-#if HWY_ARCH_X86 && (defined(__GNUC__) || defined(__clang__))
+#if HWY_ARCH_X86 && defined(__GNUC__) && !defined(__clang__)
   asm("" : "+v"(x));
 #endif
   return x;
 }
-HWY_INLINE void store_state(VF x, uint16_t* p) { store_bf16(x, p); }
 
 // n elements between a state row and an fp32 row; the tails use the scalar forms.
 template <typename From, typename To>
