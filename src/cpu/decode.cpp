@@ -339,22 +339,17 @@ struct SlotToken {
 // Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: 4 K floats): both
 // passes while the rows sit in L1. From a bf16 source the first pass keeps the widened rows in
 // `kept`, so that the second neither reads nor widens them again: the bf16 kernels are bound by
-// instructions. With a per-head gate (kHeadGate) the decay is one number a: the first pass sums
-// against k and q, a scales the two sums, and the second pass multiplies by a broadcast a, so that
-// neither pass loads a gate vector (loads are what these kernels are short of).
-template <int R, bool kHeadGate, typename Src, typename Dst>
+// instructions.
+template <int R, typename Src, typename Dst>
 HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
                              float* HWY_RESTRICT kept) {
   const DF d;
   const int64_t L = lanes();
   constexpr bool kKeep = std::is_same_v<Src, uint16_t>;
-  const float* HWY_RESTRICT by_k = kHeadGate ? t.k.data() : t.ke.data();
-  const float* HWY_RESTRICT by_q = kHeadGate ? t.q.data() : t.qe.data();
-  const float a = t.e[0];  // the head's decay, kHeadGate only
   VectorArray<R> u, w, res;
   for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
   for (int64_t i = 0; i < K; i += L) {
-    const VF ke = hn::LoadU(d, by_k + i), qe = hn::LoadU(d, by_q + i);
+    const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
     for (int r = 0; r < R; ++r) {
       const VF s = held(load_state(src + (r0 + r) * K + i));
       if constexpr (kKeep) hn::StoreU(s, d, kept + r * K + i);
@@ -363,15 +358,12 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
     }
   }
   for (int r = 0; r < R; ++r) {
-    float sum_k = hn::GetLane(hn::SumOfLanes(d, u.get(r))), sum_q = hn::GetLane(hn::SumOfLanes(d, w.get(r)));
-    if constexpr (kHeadGate) sum_k *= a, sum_q *= a;
-    const float x = t.beta * (t.v[r0 + r] - sum_k);
+    const float x = t.beta * (t.v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))));
     res.set(r, hn::Set(d, x));
-    t.o[r0 + r] = scale * (sum_q + t.kq * x);
+    t.o[r0 + r] = scale * (hn::GetLane(hn::SumOfLanes(d, w.get(r))) + t.kq * x);
   }
-  const VF head_e = hn::Set(d, a);
   for (int64_t i = 0; i < K; i += L) {
-    const VF e = kHeadGate ? head_e : hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
+    const VF e = hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
     for (int r = 0; r < R; ++r) {
       VF s;
       if constexpr (kKeep)
@@ -384,16 +376,16 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
 }
 
 // The whole step on a V-first [V][K] state: rows four at a time, each row self-contained.
-template <bool kHeadGate, typename Src, typename Dst>
+template <typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
   constexpr int R = 4;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
     next.stream(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
-    v_first_rows<R, kHeadGate>(src, dst, r0, K, t, scale, kept);
+    v_first_rows<R>(src, dst, r0, K, t, scale, kept);
   }
-  for (; r0 < V; ++r0) v_first_rows<1, kHeadGate>(src, dst, r0, K, t, scale, kept);
+  for (; r0 < V; ++r0) v_first_rows<1>(src, dst, r0, K, t, scale, kept);
 }
 
 // The first pass over rows [r0, r0 + R) of a K-first [K][V] state: sum_k += ke_r S0[r] and
@@ -670,12 +662,8 @@ class SlotSteps {
     t.dst = head_state(plan_, stored, hv);
     if (plan_.v_first()) {
       with_state_types(t.src, t.dst, [&]<typename Src, typename Dst>() {
-        const Src* src = static_cast<const Src*>(t.src.data);
-        Dst* dst = static_cast<Dst*>(t.dst.data);
-        if (plan_.per_head_gate())
-          slot_v_first<true>(src, dst, plan_.V, plan_.K, t, plan_.scale, w_.scratch.data(), next);
-        else
-          slot_v_first<false>(src, dst, plan_.V, plan_.K, t, plan_.scale, w_.scratch.data(), next);
+        slot_v_first(static_cast<const Src*>(t.src.data), static_cast<Dst*>(t.dst.data), plan_.V, plan_.K, t,
+                     plan_.scale, w_.scratch.data(), next);
       });
     } else {
       if (pending_ != nullptr && (pending_->src.dtype != t.src.dtype || pending_->dst.dtype != t.dst.dtype))
