@@ -148,8 +148,9 @@ std::vector<DecodeCase> decode_cases() {
     }
   }
   // Row counts that are no multiple of the kernels' groups of four rows (K rows K-first, V rows
-  // V-first), rows of whole vectors, one token per request: the slot kernels' one-row tails, and on
-  // K-first pools their interleaving of consecutive items.
+  // V-first), rows of whole vectors, one token per request: the slot kernels' one-row tails; on
+  // K-first pools an odd row count in the first pass, and rows of 160 values, which every vector
+  // width splits into column blocks of more than one width (8 + 2 vectors of 16 lanes).
   for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
     for (DType pool : {DType::f32, DType::bf16}) {
       for (GateWidth width : {GateWidth::per_key, GateWidth::per_head}) {
@@ -160,7 +161,7 @@ std::vector<DecodeCase> decode_cases() {
         c.H = 2;
         c.HV = 4;
         c.K = layout == StateLayout::k_first ? 23 : 32;
-        c.V = layout == StateLayout::k_first ? 32 : 23;
+        c.V = layout == StateLayout::k_first ? 160 : 23;
         c.layout = layout;
         c.initial_state = true;
         c.regime = Regime::unbounded;

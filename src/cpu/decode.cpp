@@ -6,21 +6,23 @@
 //    the correction and the output all happen in one visit of the row (two passes over it while it
 //    sits in L1, four rows at a time).
 //  - K-first [K][V]: k^T S1 needs every row before any row can be corrected, so two sequential
-//    sweeps over the rows; the state, 64 KiB at K = V = 128, is in L2 for the second.
+//    sweeps over the rows (of a block of columns, which is self-contained); the state, 64 KiB at
+//    K = V = 128, is in L2 for the second.
 // Decode moves the whole state for ~1 FLOP per byte: it is bound by memory bandwidth, so the state
 // is prefetched ahead of the rows being read (the hardware prefetchers stop at every 4 KiB page;
-// prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on two AVX2 cores), on into
-// the next item's state, and each worker takes a contiguous share of the (request, head) items so
-// that it knows what it reads next.
+// prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on two AVX2 cores), and the
+// next item's state with it, and each worker takes a contiguous share of the (request, head) items
+// so that it knows what it reads next.
 // The usual step, one token from a slot to a slot (the same one for an fp32 state updated in place),
-// runs the slot kernels: no working copy, the decay folded into the token's rows, and on a K-first
-// pool the second sweep of one item interleaved with the first sweep of the next ("one token from a
-// slot to a slot" below). Longer steps (speculative tokens, several tokens per request) run the token
-// kernels on an fp32 working state: the pool itself when an fp32 state returns to its own slot,
-// otherwise a copy that each group of rows enters as it is first touched and leaves as it is
-// finished, so that every state is still read once and written once per stored state.
+// runs the slot kernels: no working copy, the decay folded into the token's rows, the next item's
+// state requested toward L2 during the step ("one token from a slot to a slot" below). Longer steps
+// (speculative tokens, several tokens per request) run the token kernels on an fp32 working state:
+// the pool itself when an fp32 state returns to its own slot, otherwise a copy that each group of
+// rows enters as it is first touched and leaves as it is finished, so that every state is still
+// read once and written once per stored state.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 
@@ -58,9 +60,20 @@ HWY_INLINE void prefetch_bytes(const void* base, size_t total, size_t from, size
   for (size_t a = from; a < std::min(from + count, total); a += 64) hwy::Prefetch(b + a);
 }
 
-// The state the worker's next item reads first. The slot kernels run their prefetches on into its
-// first rows (stream). The K-first token kernel, whose second sweep runs from L2 and leaves the
-// memory idle, requests all of it over its second sweep's row groups, a share per group (rows).
+// Requests the cache line at p toward L2 (prefetcht1 on x86), not L1: for data wanted later than the
+// next few hundred cycles.
+HWY_INLINE void prefetch_to_l2(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  hwy::Prefetch(p);
+#endif
+}
+
+// The state the worker's next item reads first. The slot kernels request all of it toward L2 over
+// the current step (NextStateToL2), except the bf16 V-first one, which runs its L1 prefetches on
+// into its first rows (stream). The K-first token kernel, whose second sweep runs from L2 and leaves
+// the memory idle, requests all of it over its second sweep's row groups, a share per group (rows).
 struct NextState {
   const char* data = nullptr;
   size_t bytes = 0;
@@ -83,13 +96,7 @@ struct NextState {
     if (data == nullptr) return;
     const size_t from = bytes * static_cast<size_t>(r0) / static_cast<size_t>(rows_total);
     const size_t to = bytes * static_cast<size_t>(r0 + count) / static_cast<size_t>(rows_total);
-    for (size_t a = from & ~size_t{63}; a < to; a += 64) {
-#if defined(__GNUC__) || defined(__clang__)
-      __builtin_prefetch(data + a, 0, 2);  // locality 2: prefetcht1 on x86, into L2
-#else
-      hwy::Prefetch(data + a);
-#endif
-    }
+    for (size_t a = from & ~size_t{63}; a < to; a += 64) prefetch_to_l2(data + a);
   }
 };
 
@@ -326,29 +333,51 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
 // One token's rows, as the slot kernels read them (Kp or Vp floats each; padded lanes of q and k zero).
 struct SlotToken {
   Buffer<float> q, k, v, e, ke, qe;  // as loaded (e = exp(g)), then k * e and q * e
-  Buffer<float> sum_k, sum_q;        // K-first: ke^T S0, then the residual r; qe^T S0
   Buffer<float> o;                   // scale q^T S2
   float beta = 0.0f, kq = 0.0f;
-  core::StateRef src, dst;  // the head's state in its slot, and where the new one goes
   SlotToken(int64_t Kp, int64_t Vp) {
     for (Buffer<float>* b : {&q, &k, &e, &ke, &qe}) b->reset(static_cast<size_t>(Kp));
-    for (Buffer<float>* b : {&v, &sum_k, &sum_q, &o}) b->reset(static_cast<size_t>(Vp));
+    for (Buffer<float>* b : {&v, &o}) b->reset(static_cast<size_t>(Vp));
   }
+};
+
+// The next item's state, requested toward L2 in equal shares, one share per step() of the current
+// item's kernel, so that it arrives over the whole of the current item's run: the memory streams
+// all the while, as in a read-modify-write pass, and the next item starts with its state in L2.
+// Small shares spread through the kernel's loops keep the core's load and miss slots from filling
+// in bursts (a 2 KiB share per V-first row group gained half of what one cache line per inner
+// iteration did at 128 x 32 heads).
+class NextStateToL2 {
+ public:
+  NextStateToL2(const NextState& next, int64_t steps)
+      : at_(next.data),
+        end_(next.data + next.bytes),
+        share_((next.bytes / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
+  HWY_INLINE void step() {
+    const char* to = end_ - at_ < static_cast<ptrdiff_t>(share_) ? end_ : at_ + share_;
+    for (; at_ < to; at_ += 64) prefetch_to_l2(at_);
+  }
+
+ private:
+  const char* at_;
+  const char* end_;
+  size_t share_;
 };
 
 // Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: 4 K floats): both
 // passes while the rows sit in L1. From a bf16 source the first pass keeps the widened rows in
 // `kept`, so that the second neither reads nor widens them again: the bf16 kernels are bound by
-// instructions.
+// instructions. `ahead` (fp32 sources): the next state's share, one per vector column of each pass.
 template <int R, typename Src, typename Dst>
 HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
-                             float* HWY_RESTRICT kept) {
+                             float* HWY_RESTRICT kept, NextStateToL2* ahead) {
   const DF d;
   const int64_t L = lanes();
   constexpr bool kKeep = std::is_same_v<Src, uint16_t>;
   VectorArray<R> u, w, res;
   for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
   for (int64_t i = 0; i < K; i += L) {
+    if (ahead != nullptr) ahead->step();
     const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
     for (int r = 0; r < R; ++r) {
       const VF s = held(load_state(src + (r0 + r) * K + i));
@@ -363,6 +392,7 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
     t.o[r0 + r] = scale * (hn::GetLane(hn::SumOfLanes(d, w.get(r))) + t.kq * x);
   }
   for (int64_t i = 0; i < K; i += L) {
+    if (ahead != nullptr) ahead->step();
     const VF e = hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
     for (int r = 0; r < R; ++r) {
       VF s;
@@ -375,104 +405,145 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   }
 }
 
-// The whole step on a V-first [V][K] state: rows four at a time, each row self-contained.
+// The whole step on a V-first [V][K] state: rows four at a time, each row self-contained. The rows
+// are prefetched toward L1 kPrefetchBytes ahead; an fp32 state's step also brings the next state
+// into L2 (NextStateToL2), a bf16 one runs its L1 prefetches on into the next state's first rows
+// instead. On two AVX-512 cores (2026-12-04) the L2 requests took an fp32 step over 128 x 32 heads
+// from 14.5 to 12.8 ms and left 32 x 32 as it was, but cost a bf16 one 12% there: the bf16 rows are
+// bound by instructions. (On a pool the caches hold, one request's 32 heads stepped over and over,
+// they cost the fp32 step 10%; between a model's steps its other layers leave no state cached.)
 template <typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
   constexpr int R = 4;
+  constexpr bool kToL2 = std::is_same_v<Src, float>;
+  const size_t bytes = sizeof(Src) * static_cast<size_t>(V * K),
+               row_bytes = sizeof(Src) * static_cast<size_t>(K);
+  NextStateToL2 to_l2(next, 2 * (K / lanes()) * (V / R + V % R));
+  NextStateToL2* ahead = kToL2 ? &to_l2 : nullptr;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
-    next.stream(src, sizeof(Src) * V * K, sizeof(Src) * r0 * K + kPrefetchBytes, sizeof(Src) * R * K);
-    v_first_rows<R>(src, dst, r0, K, t, scale, kept);
+    const size_t from = row_bytes * static_cast<size_t>(r0) + kPrefetchBytes;
+    if (kToL2)
+      prefetch_bytes(src, bytes, from, R * row_bytes);
+    else
+      next.stream(src, bytes, from, R * row_bytes);
+    v_first_rows<R>(src, dst, r0, K, t, scale, kept, ahead);
   }
-  for (; r0 < V; ++r0) v_first_rows<1>(src, dst, r0, K, t, scale, kept);
+  for (; r0 < V; ++r0) v_first_rows<1>(src, dst, r0, K, t, scale, kept, ahead);
 }
 
-// The first pass over rows [r0, r0 + R) of a K-first [K][V] state: sum_k += ke_r S0[r] and
-// sum_q += qe_r S0[r], the sums in L1 (V floats each), R rows per visit of them.
-template <int R, typename Src>
-HWY_INLINE void k_first_sums(const Src* src, int64_t r0, int64_t V, SlotToken& t) {
+// Columns [j0, j0 + W vectors) of a K-first [K][V] state, all K rows. k^T S1 and q^T S1 of a column
+// depend on that column alone, so a block of columns is self-contained, as a V-first row is: the
+// first pass sums down the rows in registers (no horizontal sums, no sum vectors in memory; below 4
+// vectors, even and odd rows apart to keep 8 chains of multiply-adds in flight), the second writes
+// S2 bottom row first. Bottom first because the block (K rows a V-row stride apart) rarely stays in
+// L1 whole: at K = V = 128, fp32, its rows fall on 16 of L1's sets, 16 lines to a 12-way set, and
+// the rows read last are the ones still there (top first, the 2-vector block took 57 us a step on
+// an L2-held 16-head pool, bottom first 46). `ahead`: two shares of the next state per row.
+template <int W, typename Src, typename Dst>
+HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, int64_t j0, SlotToken& t,
+                                float scale, NextStateToL2& ahead) {
   const DF d;
   const int64_t L = lanes();
-  VectorArray<R> ke, qe;
-  for (int r = 0; r < R; ++r) ke.set(r, hn::Set(d, t.ke[r0 + r])), qe.set(r, hn::Set(d, t.qe[r0 + r]));
-  float* HWY_RESTRICT sk = t.sum_k.data();
-  float* HWY_RESTRICT sq = t.sum_q.data();
-  for (int64_t j = 0; j < V; j += L) {
-    VF a = hn::LoadU(d, sk + j), b = hn::LoadU(d, sq + j);
-    for (int r = 0; r < R; ++r) {
-      const VF s = held(load_state(src + (r0 + r) * V + j));
-      a = hn::MulAdd(ke.get(r), s, a);
-      b = hn::MulAdd(qe.get(r), s, b);
+  constexpr bool kSplit = W < 4;
+  VectorArray<W> a0, a1, b0, b1;  // ke^T S0 and qe^T S0 of the block (a1, b1: odd rows when split)
+  for (int w = 0; w < W; ++w) {
+    a0.set(w, hn::Zero(d)), b0.set(w, hn::Zero(d));
+    a1.set(w, hn::Zero(d)), b1.set(w, hn::Zero(d));
+  }
+  const float* HWY_RESTRICT ke = t.ke.data();
+  const float* HWY_RESTRICT qe = t.qe.data();
+  int64_t i = 0;
+  for (; i + 2 <= K; i += 2) {
+    ahead.step();
+    ahead.step();
+    const VF ke0 = hn::Set(d, ke[i]), qe0 = hn::Set(d, qe[i]);
+    const VF ke1 = hn::Set(d, ke[i + 1]), qe1 = hn::Set(d, qe[i + 1]);
+    const Src* row = src + i * V + j0;
+    for (int w = 0; w < W; ++w) {
+      const VF s0 = held(load_state(row + w * L));
+      a0.set(w, hn::MulAdd(ke0, s0, a0.get(w)));
+      b0.set(w, hn::MulAdd(qe0, s0, b0.get(w)));
+      const VF s1 = held(load_state(row + V + w * L));
+      if constexpr (kSplit) {
+        a1.set(w, hn::MulAdd(ke1, s1, a1.get(w)));
+        b1.set(w, hn::MulAdd(qe1, s1, b1.get(w)));
+      } else {
+        a0.set(w, hn::MulAdd(ke1, s1, a0.get(w)));
+        b0.set(w, hn::MulAdd(qe1, s1, b0.get(w)));
+      }
     }
-    hn::StoreU(a, d, sk + j);
-    hn::StoreU(b, d, sq + j);
+  }
+  if (i < K) {
+    ahead.step();
+    const VF ke0 = hn::Set(d, ke[i]), qe0 = hn::Set(d, qe[i]);
+    for (int w = 0; w < W; ++w) {
+      const VF s0 = held(load_state(src + i * V + j0 + w * L));
+      a0.set(w, hn::MulAdd(ke0, s0, a0.get(w)));
+      b0.set(w, hn::MulAdd(qe0, s0, b0.get(w)));
+    }
+  }
+  VectorArray<W> res;
+  const VF beta = hn::Set(d, t.beta), kq = hn::Set(d, t.kq), vs = hn::Set(d, scale);
+  for (int w = 0; w < W; ++w) {
+    const int64_t j = j0 + w * L;
+    const VF sum_k = kSplit ? hn::Add(a0.get(w), a1.get(w)) : a0.get(w);
+    const VF sum_q = kSplit ? hn::Add(b0.get(w), b1.get(w)) : b0.get(w);
+    const VF r = hn::Mul(beta, hn::Sub(hn::LoadU(d, t.v.data() + j), sum_k));
+    res.set(w, r);
+    hn::StoreU(hn::Mul(vs, hn::MulAdd(kq, r, sum_q)), d, t.o.data() + j);
+  }
+  const float* HWY_RESTRICT e = t.e.data();
+  const float* HWY_RESTRICT k = t.k.data();
+  for (i = K - 1; i >= 0; --i) {
+    ahead.step();
+    const VF ei = hn::Set(d, e[i]), ki = hn::Set(d, k[i]);
+    const Src* row = src + i * V + j0;
+    Dst* to = dst + i * V + j0;
+    for (int w = 0; w < W; ++w)
+      store_state(hn::MulAdd(load_state(row + w * L), ei, hn::Mul(ki, res.get(w))), to + w * L);
   }
 }
 
-// The second pass over rows [r0, r0 + R) of a K-first state: S2[r] = e_r S0[r] + k_r r (r in sum_k).
-template <int R, typename Src, typename Dst>
-HWY_INLINE void k_first_update(const Src* src, Dst* dst, int64_t r0, int64_t V, const SlotToken& t) {
-  const DF d;
+// Vectors per K-first column block: 8 keep 16 sums in registers where there are 32 (AVX-512,
+// NEON, SVE), 4 where there are 16 (AVX2 and older x86 targets).
+#if HWY_ARCH_X86 && HWY_TARGET > HWY_AVX3
+constexpr int kColumnVectors = 4;
+#else
+constexpr int kColumnVectors = 8;
+#endif
+
+// The whole step on a K-first [K][V] state, a block of columns at a time (the last block narrower).
+// At K = V = 128 on AVX-512 a block is the whole row width, so a step is two sweeps over the state.
+// It replaced a form that interleaved the second sweep of one item with the first of the next, its
+// sums in memory and the next state prefetched toward L1 only a few KiB ahead: the fp32 step over
+// 32 x 32 heads went from 1.77 to 1.58 ms, over 128 x 32 from 15.7 to 11.2 ms (2026-12-04, two
+// AVX-512 cores).
+template <typename Src, typename Dst>
+void slot_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, SlotToken& t, float scale,
+                  const NextState& next) {
   const int64_t L = lanes();
-  const float* HWY_RESTRICT res = t.sum_k.data();
-  for (int r = 0; r < R; ++r) {
-    const VF e = hn::Set(d, t.e[r0 + r]), k = hn::Set(d, t.k[r0 + r]);
-    const Src* row = src + (r0 + r) * V;
-    Dst* to = dst + (r0 + r) * V;
-    for (int64_t j = 0; j < V; j += L)
-      store_state(hn::MulAdd(load_state(row + j), e, hn::Mul(k, hn::LoadU(d, res + j))), to + j);
+  int64_t blocks = 0;
+  for (int64_t left = V / L; left > 0; ++blocks)
+    left -= left >= kColumnVectors ? kColumnVectors : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+  NextStateToL2 ahead(next, 2 * K * blocks);
+  for (int64_t j0 = 0; j0 < V;) {
+    const int64_t left = (V - j0) / L;
+    if (left >= kColumnVectors) {
+      k_first_columns<kColumnVectors>(src, dst, K, V, j0, t, scale, ahead);
+      j0 += kColumnVectors * L;
+    } else if (left >= 4) {
+      k_first_columns<4>(src, dst, K, V, j0, t, scale, ahead);
+      j0 += 4 * L;
+    } else if (left >= 2) {
+      k_first_columns<2>(src, dst, K, V, j0, t, scale, ahead);
+      j0 += 2 * L;
+    } else {
+      k_first_columns<1>(src, dst, K, V, j0, t, scale, ahead);
+      j0 += L;
+    }
   }
-}
-
-// A K-first step needs all of k^T S1 before any row of S2: two sweeps over the rows, the second
-// from L2, with the memory idle while it runs. So the steps of consecutive items are interleaved
-// (KFirstSteps): the second sweep of one item runs group by group with the first sweep of the next,
-// which streams from memory meanwhile, as a read-modify-write pass would. Each item's arithmetic is
-// the same whether it is interleaved or not (the passes only alternate), so results do not depend on
-// how the items fall to workers.
-constexpr int kKFirstRows = 4;  // rows per group
-
-// The first sweep of item b's state, interleaved group by group with the second sweep of item a's
-// (a null: none). Then b's residual and output.
-template <typename Src, typename Dst>
-void k_first_step(const core::Plan& plan, SlotToken* a, SlotToken& b, const NextState& next) {
-  const DF d;
-  const int64_t K = plan.K, V = plan.V, L = lanes();
-  constexpr int R = kKFirstRows;
-  const Src* src_b = static_cast<const Src*>(b.src.data);
-  for (int64_t j = 0; j < V; j += L) {
-    hn::StoreU(hn::Zero(d), d, b.sum_k.data() + j);
-    hn::StoreU(hn::Zero(d), d, b.sum_q.data() + j);
-  }
-  const Src* src_a = a != nullptr ? static_cast<const Src*>(a->src.data) : nullptr;
-  Dst* dst_a = a != nullptr ? static_cast<Dst*>(a->dst.data) : nullptr;
-  int64_t r0 = 0;
-  for (; r0 + R <= K; r0 += R) {
-    if (a != nullptr) k_first_update<R>(src_a, dst_a, r0, V, *a);
-    next.stream(src_b, sizeof(Src) * K * V, sizeof(Src) * r0 * V + 2 * kPrefetchBytes, sizeof(Src) * R * V);
-    k_first_sums<R>(src_b, r0, V, b);
-  }
-  for (; r0 < K; ++r0) {
-    if (a != nullptr) k_first_update<1>(src_a, dst_a, r0, V, *a);
-    k_first_sums<1>(src_b, r0, V, b);
-  }
-  const VF beta = hn::Set(d, b.beta), kq = hn::Set(d, b.kq), scale = hn::Set(d, plan.scale);
-  for (int64_t j = 0; j < V; j += L) {
-    const VF r = hn::Mul(beta, hn::Sub(hn::LoadU(d, b.v.data() + j), hn::LoadU(d, b.sum_k.data() + j)));
-    hn::StoreU(r, d, b.sum_k.data() + j);
-    hn::StoreU(hn::Mul(scale, hn::MulAdd(kq, r, hn::LoadU(d, b.sum_q.data() + j))), d, b.o.data() + j);
-  }
-}
-
-// The second sweep of item a alone (the last of a worker's run of K-first steps).
-template <typename Src, typename Dst>
-void k_first_finish(const core::Plan& plan, const SlotToken& a) {
-  const Src* src = static_cast<const Src*>(a.src.data);
-  Dst* dst = static_cast<Dst*>(a.dst.data);
-  int64_t r0 = 0;
-  for (; r0 + kKFirstRows <= plan.K; r0 += kKFirstRows) k_first_update<kKFirstRows>(src, dst, r0, plan.V, a);
-  for (; r0 < plan.K; ++r0) k_first_update<1>(src, dst, r0, plan.V, a);
 }
 
 // Calls f.template operator()<Src, Dst>() for the dtypes of a slot step.
@@ -521,8 +592,8 @@ struct DecodeWork {
   Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
   Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
   Buffer<float> scratch;              // K-first: k^T S1 (Vp); V-first slot steps from bf16: 4 rows (4 Kp)
-  SlotToken slot_a, slot_b;           // slot steps: the current one and the pending K-first one
-  DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)), slot_a(Kp, Vp), slot_b(Kp, Vp) {
+  SlotToken slot;                     // a slot step's token
+  DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)), slot(Kp, Vp) {
     S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
     q.reset(kTokens * Kp), k.reset(kTokens * Kp), e.reset(kTokens * Kp), v.reset(kTokens * Vp);
     o.reset(kTokens * Vp), beta.reset(kTokens);
@@ -638,60 +709,32 @@ void prefetch_token_rows(const core::Plan& plan, const ForwardInputs& in, int64_
   row(in.beta, hv, 1);
 }
 
-// The slot steps of one worker's run of items (see "one token from a slot to a slot"): a V-first
-// step runs whole; a K-first step runs its first sweep, interleaved with the second sweep of the
-// pending one, and is pending itself until the next step or finish().
-class SlotSteps {
- public:
-  SlotSteps(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, DecodeWork& w)
-      : plan_(plan), in_(in), out_(out), w_(w) {}
-
-  // Runs item (n, hv) if it is a slot step: one token from its state's slot to a stored state, rows
-  // of whole vectors. Returns false, having done nothing, otherwise.
-  bool run(int64_t n, int64_t hv, const NextState& next) {
-    const core::Sequence& seq = plan_.sequences[n];
-    if (seq.length != 1 || (!plan_.padding.empty() && plan_.padding[n])) return false;
-    const core::StateRef& initial = plan_.initial[n];
-    const core::StateRef& stored = plan_.decode_columns > 1
-                                       ? plan_.token_states[static_cast<size_t>(n * plan_.decode_columns)]
-                                       : plan_.final[n];
-    if (!initial || !stored || state_row_length(plan_) % lanes() != 0) return false;
-    SlotToken& t = pending_ == &w_.slot_a ? w_.slot_b : w_.slot_a;
-    load_slot_token(plan_, in_.fwd, seq, hv, t);
-    t.src = head_state(plan_, initial, hv);
-    t.dst = head_state(plan_, stored, hv);
-    if (plan_.v_first()) {
-      with_state_types(t.src, t.dst, [&]<typename Src, typename Dst>() {
-        slot_v_first(static_cast<const Src*>(t.src.data), static_cast<Dst*>(t.dst.data), plan_.V, plan_.K, t,
-                     plan_.scale, w_.scratch.data(), next);
-      });
-    } else {
-      if (pending_ != nullptr && (pending_->src.dtype != t.src.dtype || pending_->dst.dtype != t.dst.dtype))
-        finish();
-      with_state_types(t.src, t.dst, [&]<typename Src, typename Dst>() {
-        k_first_step<Src, Dst>(plan_, pending_, t, next);
-      });
-      pending_ = &t;
-    }
-    store_row(out_.o, seq.batch_index, seq.first_token, hv, plan_.V, t.o.data());
-    return true;
-  }
-
-  // Runs the second sweep of the pending K-first step, if any.
-  void finish() {
-    if (pending_ == nullptr) return;
-    with_state_types(pending_->src, pending_->dst,
-                     [&]<typename Src, typename Dst>() { k_first_finish<Src, Dst>(plan_, *pending_); });
-    pending_ = nullptr;
-  }
-
- private:
-  const core::Plan& plan_;
-  const DecodeInputs& in_;
-  const DecodeOutputs& out_;
-  DecodeWork& w_;
-  SlotToken* pending_ = nullptr;  // a K-first step whose second sweep is still to run
-};
+// Runs item (n, hv) if it is a slot step (see "one token from a slot to a slot"): one token from
+// its state's slot to a stored state, rows of whole vectors. Returns false, having done nothing,
+// otherwise.
+bool run_slot_step(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, int64_t n,
+                   int64_t hv, DecodeWork& w, const NextState& next) {
+  const core::Sequence& seq = plan.sequences[n];
+  if (seq.length != 1 || (!plan.padding.empty() && plan.padding[n])) return false;
+  const core::StateRef& initial = plan.initial[n];
+  const core::StateRef& stored = plan.decode_columns > 1
+                                     ? plan.token_states[static_cast<size_t>(n * plan.decode_columns)]
+                                     : plan.final[n];
+  if (!initial || !stored || state_row_length(plan) % lanes() != 0) return false;
+  SlotToken& t = w.slot;
+  load_slot_token(plan, in.fwd, seq, hv, t);
+  const core::StateRef src = head_state(plan, initial, hv), dst = head_state(plan, stored, hv);
+  with_state_types(src, dst, [&]<typename Src, typename Dst>() {
+    const Src* from = static_cast<const Src*>(src.data);
+    Dst* to = static_cast<Dst*>(dst.data);
+    if (plan.v_first())
+      slot_v_first(from, to, plan.V, plan.K, t, plan.scale, w.scratch.data(), next);
+    else
+      slot_k_first(from, to, plan.K, plan.V, t, plan.scale, next);
+  });
+  store_row(out.o, seq.batch_index, seq.first_token, hv, plan.V, t.o.data());
+  return true;
+}
 
 // The state item (n, hv) reads first: its initial state's head (none for padding rows and requests
 // without one).
@@ -710,8 +753,7 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
   // Each worker takes a contiguous share of the (request, head) items, so that it knows what it reads
-  // next: the next item's token rows and state are prefetched (NextState), and K-first slot steps
-  // run interleaved (SlotSteps).
+  // next: the next item's token rows and state are prefetched (NextState).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
   // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves:
   // one request of 32 heads of 128 x 128 (2 MiB) took 140 us on one thread and 204 us on two inside
@@ -723,18 +765,15 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   run.parallel_for(shares, [&](int64_t share, int worker) {
     const int64_t first = items * share / shares, last = items * (share + 1) / shares;
     DecodeWork& w = *work[static_cast<size_t>(worker)];
-    SlotSteps slot_steps(plan, in, out, w);
     for (int64_t item = first; item < last; ++item) {
       NextState next;
       if (item + 1 < last) {
         prefetch_token_rows(plan, in.fwd, (item + 1) / plan.HV, (item + 1) % plan.HV);
         next = first_state_of(plan, (item + 1) / plan.HV, (item + 1) % plan.HV);
       }
-      if (slot_steps.run(item / plan.HV, item % plan.HV, next)) continue;
-      slot_steps.finish();
+      if (run_slot_step(plan, in, out, item / plan.HV, item % plan.HV, w, next)) continue;
       decode_item(plan, in, out, item / plan.HV, item % plan.HV, w, plan.v_first() ? NextState{} : next);
     }
-    slot_steps.finish();
   });
 }
 
