@@ -367,10 +367,12 @@ class NextStateToL2 {
 // Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: 4 K floats): both
 // passes while the rows sit in L1. From a bf16 source the first pass keeps the widened rows in
 // `kept`, so that the second neither reads nor widens them again: the bf16 kernels are bound by
-// instructions. `ahead` (fp32 sources): the next state's share, one per vector column of each pass.
+// instructions. fp32 sources: `ahead` takes the next state's share once per vector column of each
+// pass, and the first pass requests the same column of `next_rows` (the next group's, if any)
+// toward L1.
 template <int R, typename Src, typename Dst>
 HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
-                             float* HWY_RESTRICT kept, NextStateToL2* ahead) {
+                             float* HWY_RESTRICT kept, NextStateToL2* ahead, const Src* next_rows) {
   const DF d;
   const int64_t L = lanes();
   constexpr bool kKeep = std::is_same_v<Src, uint16_t>;
@@ -378,6 +380,8 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
   for (int64_t i = 0; i < K; i += L) {
     if (ahead != nullptr) ahead->step();
+    if (next_rows != nullptr)
+      for (int r = 0; r < R; ++r) hwy::Prefetch(next_rows + r * K + i);
     const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
     for (int r = 0; r < R; ++r) {
       const VF s = held(load_state(src + (r0 + r) * K + i));
@@ -405,13 +409,16 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   }
 }
 
-// The whole step on a V-first [V][K] state: rows four at a time, each row self-contained. The rows
-// are prefetched toward L1 kPrefetchBytes ahead; an fp32 state's step also brings the next state
-// into L2 (NextStateToL2), a bf16 one runs its L1 prefetches on into the next state's first rows
-// instead. On two AVX-512 cores (2026-12-04) the L2 requests took an fp32 step over 128 x 32 heads
-// from 14.5 to 12.8 ms and left 32 x 32 as it was, but cost a bf16 one 12% there: the bf16 rows are
-// bound by instructions. (On a pool the caches hold, one request's 32 heads stepped over and over,
-// they cost the fp32 step 10%; between a model's steps its other layers leave no state cached.)
+// The whole step on a V-first [V][K] state: rows four at a time, each row self-contained. An fp32
+// state's step requests each group's successor toward L1 a column at a time while the group is
+// summed, and the next state toward L2 (NextStateToL2). (19% of an L2-held step's samples fell on
+// the successor's requests issued as one burst of 32; spread, the step went from 47.5 to 46.0 us
+// on 16 L2-held heads and from 13.3 to 12.8 ms over 128 x 32 heads, 32 x 32 unchanged.) A bf16 one prefetches
+// kPrefetchBytes ahead toward L1, on into the next state's first rows. On two AVX-512 cores (2026-12-04) the
+// L2 requests took an fp32 step over 128 x 32 heads from 14.5 to 12.8 ms and left 32 x 32 as it was, but cost
+// a bf16 one 12% there: the bf16 rows are bound by instructions. (On a pool the caches hold, one request's 32
+// heads stepped over and over, they cost the fp32 step 10%; between a model's steps its other layers leave no
+// state cached.)
 template <typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
@@ -424,13 +431,15 @@ void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, 
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
     const size_t from = row_bytes * static_cast<size_t>(r0) + kPrefetchBytes;
+    const Src* next_rows = nullptr;
     if (kToL2)
-      prefetch_bytes(src, bytes, from, R * row_bytes);
+      next_rows = r0 + 2 * R <= V ? src + (r0 + R) * K : nullptr;
     else
       next.stream(src, bytes, from, R * row_bytes);
-    v_first_rows<R>(src, dst, r0, K, t, scale, kept, ahead);
+    v_first_rows<R>(src, dst, r0, K, t, scale, kept, ahead, next_rows);
   }
-  for (; r0 < V; ++r0) v_first_rows<1>(src, dst, r0, K, t, scale, kept, ahead);
+  for (; r0 < V; ++r0)
+    v_first_rows<1>(src, dst, r0, K, t, scale, kept, ahead, static_cast<const Src*>(nullptr));
 }
 
 // Columns [j0, j0 + W vectors) of a K-first [K][V] state, all K rows. k^T S1 and q^T S1 of a column
