@@ -103,9 +103,11 @@ std::vector<double> oracle_states_after(const Data& d, int64_t tokens) {
 struct DecodeCase {
   Case c;
   DType pool = DType::f32;
-  bool spec = false;  // [N, T] indices, a different accepted count per request
+  bool spec = false;    // [N, C] indices, a different accepted count per request
+  int64_t columns = 0;  // C when spec (0: T)
   std::string name() const {
-    return c.name() + (pool == DType::bf16 ? "_bf16pool" : "_f32pool") + (spec ? "_spec" : "");
+    return c.name() + (pool == DType::bf16 ? "_bf16pool" : "_f32pool") + (spec ? "_spec" : "") +
+           (columns ? "_C" + std::to_string(columns) : "");
   }
 };
 
@@ -147,21 +149,25 @@ std::vector<DecodeCase> decode_cases() {
       }
     }
   }
-  // Row counts that are no multiple of the kernels' groups of four rows (K rows K-first, V rows
-  // V-first), rows of whole vectors, one token per request: the slot kernels' one-row tails; on
-  // K-first pools an odd row count in the first pass, and rows of 160 values, which every vector
-  // width splits into column blocks of more than one width (8 + 2 vectors of 16 lanes).
+  // One token per request, rows of whole vectors: the slot kernels, under both gate widths. V-first:
+  // 23 rows, no multiple of the groups of four. K-first: an odd row count in the first pass, and
+  // rows of 240 or 56 values, which the column blocks split into every width: 8 + 4 + 2 + 1 vectors
+  // of 16 lanes (240), 4 + 2 + 1 of 8 (56; 240 gives 4 x 7 + 2). The fourth case reads every odd
+  // request's state from a second slot column (speculative indices, C = 2, two tokens accepted):
+  // slot steps that write elsewhere than they read, the slot read left as it was.
   for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
     for (DType pool : {DType::f32, DType::bf16}) {
-      for (GateWidth width : {GateWidth::per_key, GateWidth::per_head}) {
+      for (int variant = 0; variant < 4; ++variant) {
         DecodeCase dc;
         Case& c = dc.c;
+        const GateWidth width = variant % 2 ? GateWidth::per_head : GateWidth::per_key;
         c.B = 4;
         c.T = 1;
         c.H = 2;
         c.HV = 4;
         c.K = layout == StateLayout::k_first ? 23 : 32;
-        c.V = layout == StateLayout::k_first ? 160 : 23;
+        c.V = layout == StateLayout::k_first ? (variant == 2 ? 56 : 240) : 23;
+        if (variant == 3) dc.spec = true, dc.columns = 2;
         c.layout = layout;
         c.initial_state = true;
         c.regime = Regime::unbounded;
@@ -187,7 +193,7 @@ TEST_P(Decode, MatchesOracleAndTouchesOnlyItsSlots) {
   Data d;
   make_data(dc.c, d);
   const Case& c = d.c;
-  const int64_t N = c.B, T = c.T, C = dc.spec ? T : 1;
+  const int64_t N = c.B, T = c.T, C = dc.columns ? dc.columns : dc.spec ? T : 1;
   const int64_t slot_elems = c.HV * c.K * c.V;
   const int64_t slots = 3 * N * C + 1;
   // Slots: request n's columns take distinct slots; it starts from column acc[n] - 1.
@@ -197,7 +203,7 @@ TEST_P(Decode, MatchesOracleAndTouchesOnlyItsSlots) {
   Rng rng(c.seed);
   for (int64_t i = slots - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
   for (size_t i = 0; i < indices.size(); ++i) indices[i] = order[i];
-  for (int64_t n = 0; n < N; ++n) accepted[n] = dc.spec ? 1 + n % T : 1;
+  for (int64_t n = 0; n < N; ++n) accepted[n] = dc.spec ? 1 + n % C : 1;
   Pool pool(dc.pool, slots, slot_elems);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t start = indices[static_cast<size_t>(n * C + accepted[n] - 1)];

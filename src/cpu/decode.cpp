@@ -8,11 +8,12 @@
 //  - K-first [K][V]: k^T S1 needs every row before any row can be corrected, so two sequential
 //    sweeps over the rows (of a block of columns, which is self-contained); the state, 64 KiB at
 //    K = V = 128, is in L2 for the second.
-// Decode moves the whole state for ~1 FLOP per byte: it is bound by memory bandwidth, so the state
-// is prefetched ahead of the rows being read (the hardware prefetchers stop at every 4 KiB page;
-// prefetching took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on two AVX2 cores), and the
-// next item's state with it, and each worker takes a contiguous share of the (request, head) items
-// so that it knows what it reads next.
+// Decode moves the whole state for ~1 FLOP per byte: it is bound by memory bandwidth, so states are
+// prefetched ahead of their use (the hardware prefetchers stop at every 4 KiB page; prefetching
+// took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on two AVX2 cores): the next item's
+// state during the current step, and the rows the kernel reads next where they are not in L2
+// already. Each worker takes a contiguous share of the (request, head) items so that it knows what
+// it reads next.
 // The usual step, one token from a slot to a slot (the same one for an fp32 state updated in place),
 // runs the slot kernels: no working copy, the decay folded into the token's rows, the next item's
 // state requested toward L2 during the step ("one token from a slot to a slot" below). Longer steps
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -349,22 +351,25 @@ struct SlotToken {
 // iteration did at 128 x 32 heads).
 class NextStateToL2 {
  public:
+  // Offsets count from the state's first cache line, so that a state that does not start on a line
+  // boundary still has its last line requested.
   NextStateToL2(const NextState& next, int64_t steps)
-      : at_(next.data),
-        end_(next.data + next.bytes),
-        share_((next.bytes / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
+      : base_(next.data - reinterpret_cast<uintptr_t>(next.data) % 64),
+        end_(next.data == nullptr ? 0 : next.bytes + reinterpret_cast<uintptr_t>(next.data) % 64),
+        share_((end_ / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
   HWY_INLINE void step() {
-    const char* to = end_ - at_ < static_cast<ptrdiff_t>(share_) ? end_ : at_ + share_;
-    for (; at_ < to; at_ += 64) prefetch_to_l2(at_);
+    const size_t to = std::min(at_ + share_, end_);
+    for (; at_ < to; at_ += 64) prefetch_to_l2(base_ + at_);
   }
 
  private:
-  const char* at_;
-  const char* end_;
+  const char* base_;
+  size_t end_;
   size_t share_;
+  size_t at_ = 0;
 };
 
-// Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: 4 K floats): both
+// Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: R K floats): both
 // passes while the rows sit in L1. From a bf16 source the first pass keeps the widened rows in
 // `kept`, so that the second neither reads nor widens them again: the bf16 kernels are bound by
 // instructions. fp32 sources: `ahead` takes the next state's share once per vector column of each
@@ -380,7 +385,7 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
   for (int64_t i = 0; i < K; i += L) {
     if (ahead != nullptr) ahead->step();
-    if (next_rows != nullptr)
+    if (next_rows != nullptr && (i * sizeof(Src)) % 64 == 0)  // once per line, whatever L
       for (int r = 0; r < R; ++r) hwy::Prefetch(next_rows + r * K + i);
     const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
     for (int r = 0; r < R; ++r) {
@@ -424,18 +429,18 @@ void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, 
                   const NextState& next) {
   constexpr int R = 4;
   constexpr bool kToL2 = std::is_same_v<Src, float>;
-  const size_t bytes = sizeof(Src) * static_cast<size_t>(V * K),
-               row_bytes = sizeof(Src) * static_cast<size_t>(K);
   NextStateToL2 to_l2(next, 2 * (K / lanes()) * (V / R + V % R));
   NextStateToL2* ahead = kToL2 ? &to_l2 : nullptr;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
-    const size_t from = row_bytes * static_cast<size_t>(r0) + kPrefetchBytes;
     const Src* next_rows = nullptr;
-    if (kToL2)
+    if constexpr (kToL2) {
       next_rows = r0 + 2 * R <= V ? src + (r0 + R) * K : nullptr;
-    else
-      next.stream(src, bytes, from, R * row_bytes);
+    } else {
+      const size_t row_bytes = sizeof(Src) * static_cast<size_t>(K);
+      next.stream(src, row_bytes * static_cast<size_t>(V),
+                  row_bytes * static_cast<size_t>(r0) + kPrefetchBytes, R * row_bytes);
+    }
     v_first_rows<R>(src, dst, r0, K, t, scale, kept, ahead, next_rows);
   }
   for (; r0 < V; ++r0)
@@ -445,11 +450,13 @@ void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, 
 // Columns [j0, j0 + W vectors) of a K-first [K][V] state, all K rows. k^T S1 and q^T S1 of a column
 // depend on that column alone, so a block of columns is self-contained, as a V-first row is: the
 // first pass sums down the rows in registers (no horizontal sums, no sum vectors in memory; below 4
-// vectors, even and odd rows apart to keep 8 chains of multiply-adds in flight), the second writes
-// S2 bottom row first. Bottom first because the block (K rows a V-row stride apart) rarely stays in
-// L1 whole: at K = V = 128, fp32, its rows fall on 16 of L1's sets, 16 lines to a 12-way set, and
-// the rows read last are the ones still there (top first, the 2-vector block took 57 us a step on
-// an L2-held 16-head pool, bottom first 46). `ahead`: two shares of the next state per row.
+// vectors, even and odd rows apart, twice the chains of multiply-adds in flight), the second writes
+// S2 bottom row first. Bottom first because a block rarely stays in L1 whole between its passes:
+// the rows read last are the ones still there. A 64 KiB state (K = V = 128, fp32) does not fit a
+// 48 KiB L1 even as whole-row blocks, and a narrower block fares no better: the rows of a 128-byte
+// block, 512 B apart, fall on 16 of L1's 64 sets, 16 lines to each 12-way set (top first, such a
+// block took 57 us a step on an L2-held 16-head pool, bottom first 46). `ahead`: two shares of the
+// next state per row.
 template <int W, typename Src, typename Dst>
 HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, int64_t j0, SlotToken& t,
                                 float scale, NextStateToL2& ahead) {
