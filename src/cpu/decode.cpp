@@ -351,19 +351,20 @@ struct SlotToken {
 // iteration did at 128 x 32 heads).
 class NextStateToL2 {
  public:
-  // Offsets count from the state's first cache line, so that a state that does not start on a line
-  // boundary still has its last line requested.
+  // Addresses count from the state's first cache line (as integers: that line may start before
+  // the state), so that a state that does not start on a line boundary still has its last line
+  // requested.
   NextStateToL2(const NextState& next, int64_t steps)
-      : base_(next.data - reinterpret_cast<uintptr_t>(next.data) % 64),
+      : base_(reinterpret_cast<uintptr_t>(next.data) & ~uintptr_t{63}),
         end_(next.data == nullptr ? 0 : next.bytes + reinterpret_cast<uintptr_t>(next.data) % 64),
         share_((end_ / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
   HWY_INLINE void step() {
     const size_t to = std::min(at_ + share_, end_);
-    for (; at_ < to; at_ += 64) prefetch_to_l2(base_ + at_);
+    for (; at_ < to; at_ += 64) prefetch_to_l2(reinterpret_cast<const void*>(base_ + at_));
   }
 
  private:
-  const char* base_;
+  uintptr_t base_;
   size_t end_;
   size_t share_;
   size_t at_ = 0;
