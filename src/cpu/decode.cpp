@@ -75,7 +75,7 @@ HWY_INLINE void prefetch_to_l2(const void* p) {
 // The state the worker's next item reads first. The slot kernels request all of it toward L2 over
 // the current step (NextStateToL2), except the bf16 V-first one, which runs its L1 prefetches on
 // into its first rows (stream). The K-first token kernel, whose second sweep runs from L2 and leaves
-// the memory idle, requests all of it over its second sweep's row groups, a share per group (rows).
+// the memory idle, requests all of it toward L2 over its second sweep, a share per row group.
 struct NextState {
   const char* data = nullptr;
   size_t bytes = 0;
@@ -92,14 +92,33 @@ struct NextState {
     for (size_t a = from > state_bytes ? from - state_bytes : 0; a < next_to; a += 64)
       hwy::Prefetch(data + a);
   }
+};
 
-  // Prefetches the share of rows [r0, r0 + count) of `rows` rows.
-  HWY_INLINE void rows(int64_t r0, int64_t count, int64_t rows_total) const {
-    if (data == nullptr) return;
-    const size_t from = bytes * static_cast<size_t>(r0) / static_cast<size_t>(rows_total);
-    const size_t to = bytes * static_cast<size_t>(r0 + count) / static_cast<size_t>(rows_total);
-    for (size_t a = from & ~size_t{63}; a < to; a += 64) prefetch_to_l2(data + a);
+// The next item's state, requested toward L2 in equal shares, one share per step() of the current
+// item's kernel, so that it arrives over the whole of the current item's run: the memory streams
+// all the while, as in a read-modify-write pass, and the next item starts with its state in L2.
+// Small shares spread through the kernel's loops keep the core's load and miss slots from filling
+// in bursts (one 2 KiB share per V-first row group gained half of what a share per vector column
+// of each pass did at 128 x 32 heads).
+class NextStateToL2 {
+ public:
+  // Addresses count from the state's first cache line (as integers: that line may start before
+  // the state), so that a state that does not start on a line boundary still has its last line
+  // requested.
+  NextStateToL2(const NextState& next, int64_t steps)
+      : base_(reinterpret_cast<uintptr_t>(next.data) & ~uintptr_t{63}),
+        end_(next.data == nullptr ? 0 : next.bytes + reinterpret_cast<uintptr_t>(next.data) % 64),
+        share_((end_ / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
+  HWY_INLINE void step() {
+    const size_t to = std::min(at_ + share_, end_);
+    for (; at_ < to; at_ += 64) prefetch_to_l2(reinterpret_cast<const void*>(base_ + at_));
   }
+
+ private:
+  uintptr_t base_;
+  size_t end_;
+  size_t share_;
+  size_t at_ = 0;
 };
 
 // One vector of a state's elements, fp32 or bf16 (uint16_t bits), read into / written from fp32
@@ -284,6 +303,7 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
     hn::StoreU(hn::Mul(vb, hn::Sub(hn::LoadU(d, v + j), hn::LoadU(d, acc + j))), d, acc + j);
     hn::StoreU(hn::Zero(d), d, o + j);
   }
+  NextStateToL2 next_to_l2(next, K / R + (K % R != 0));  // a share per group of this sweep
   r0 = 0;
   for (; r0 + R <= K; r0 += R) {
     float* row = S + r0 * ld;
@@ -301,9 +321,9 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
       hn::StoreU(out, d, o + j);
     }
     if (dst.ref) store_rows(dst, r0, R, S, ld);
-    next.rows(r0, R, K);
+    next_to_l2.step();
   }
-  next.rows(r0, K - r0, K);
+  if (r0 < K) next_to_l2.step();
   for (; r0 < K; ++r0) {
     float* row = S + r0 * ld;
     const VF ve = hn::Set(d, e[r0]), vk = hn::Set(d, k[r0]), vq = hn::Set(d, q[r0]);
@@ -341,33 +361,6 @@ struct SlotToken {
     for (Buffer<float>* b : {&q, &k, &e, &ke, &qe}) b->reset(static_cast<size_t>(Kp));
     for (Buffer<float>* b : {&v, &o}) b->reset(static_cast<size_t>(Vp));
   }
-};
-
-// The next item's state, requested toward L2 in equal shares, one share per step() of the current
-// item's kernel, so that it arrives over the whole of the current item's run: the memory streams
-// all the while, as in a read-modify-write pass, and the next item starts with its state in L2.
-// Small shares spread through the kernel's loops keep the core's load and miss slots from filling
-// in bursts (a 2 KiB share per V-first row group gained half of what one cache line per inner
-// iteration did at 128 x 32 heads).
-class NextStateToL2 {
- public:
-  // Addresses count from the state's first cache line (as integers: that line may start before
-  // the state), so that a state that does not start on a line boundary still has its last line
-  // requested.
-  NextStateToL2(const NextState& next, int64_t steps)
-      : base_(reinterpret_cast<uintptr_t>(next.data) & ~uintptr_t{63}),
-        end_(next.data == nullptr ? 0 : next.bytes + reinterpret_cast<uintptr_t>(next.data) % 64),
-        share_((end_ / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
-  HWY_INLINE void step() {
-    const size_t to = std::min(at_ + share_, end_);
-    for (; at_ < to; at_ += 64) prefetch_to_l2(reinterpret_cast<const void*>(base_ + at_));
-  }
-
- private:
-  uintptr_t base_;
-  size_t end_;
-  size_t share_;
-  size_t at_ = 0;
 };
 
 // Rows [r0, r0 + R) of a V-first [V][K] state (rows of K key channels; `kept`: R K floats): both
@@ -417,14 +410,11 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
 
 // The whole step on a V-first [V][K] state: rows four at a time, each row self-contained. An fp32
 // state's step requests each group's successor toward L1 a column at a time while the group is
-// summed, and the next state toward L2 (NextStateToL2). (19% of an L2-held step's samples fell on
-// the successor's requests issued as one burst of 32; spread, the step went from 47.5 to 46.0 us
-// on 16 L2-held heads and from 13.3 to 12.8 ms over 128 x 32 heads, 32 x 32 unchanged.) A bf16 one prefetches
-// kPrefetchBytes ahead toward L1, on into the next state's first rows. On two AVX-512 cores (2026-12-04) the
-// L2 requests took an fp32 step over 128 x 32 heads from 14.5 to 12.8 ms and left 32 x 32 as it was, but cost
-// a bf16 one 12% there: the bf16 rows are bound by instructions. (On a pool the caches hold, one request's 32
-// heads stepped over and over, they cost the fp32 step 10%; between a model's steps its other layers leave no
-// state cached.)
+// summed (one burst of 32 requests held up the core), and the next state toward L2
+// (NextStateToL2). A bf16 one prefetches kPrefetchBytes ahead toward L1, on into the next state's
+// first rows: its rows are bound by instructions, and the L2 requests cost it 12% at 32 x 32 heads
+// while they took an fp32 step over 128 x 32 from 14.5 to 12.8 ms (docs/performance.md,
+// 2026-12-04 evening).
 template <typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
@@ -541,25 +531,24 @@ template <typename Src, typename Dst>
 void slot_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, SlotToken& t, float scale,
                   const NextState& next) {
   const int64_t L = lanes();
+  // The width of the block that starts with `left` vectors of the row still to go.
+  const auto width = [](int64_t left) {
+    return left >= kColumnVectors ? kColumnVectors : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+  };
   int64_t blocks = 0;
-  for (int64_t left = V / L; left > 0; ++blocks)
-    left -= left >= kColumnVectors ? kColumnVectors : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+  for (int64_t left = V / L; left > 0; left -= width(left)) ++blocks;
   NextStateToL2 ahead(next, 2 * K * blocks);
   for (int64_t j0 = 0; j0 < V;) {
-    const int64_t left = (V - j0) / L;
-    if (left >= kColumnVectors) {
+    const int w = width((V - j0) / L);
+    if (w == kColumnVectors)
       k_first_columns<kColumnVectors>(src, dst, K, V, j0, t, scale, ahead);
-      j0 += kColumnVectors * L;
-    } else if (left >= 4) {
+    else if (w == 4)
       k_first_columns<4>(src, dst, K, V, j0, t, scale, ahead);
-      j0 += 4 * L;
-    } else if (left >= 2) {
+    else if (w == 2)
       k_first_columns<2>(src, dst, K, V, j0, t, scale, ahead);
-      j0 += 2 * L;
-    } else {
+    else
       k_first_columns<1>(src, dst, K, V, j0, t, scale, ahead);
-      j0 += L;
-    }
+    j0 += w * L;
   }
 }
 
