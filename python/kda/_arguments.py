@@ -104,21 +104,35 @@ def _gate_rank_message(per_head, g):
     )
 
 
-def check_key_gate(gk, k, v):
+def check_key_gate(gk, q, k, v):
     """fused_recurrent_gated_delta_rule's ``gk``, KDA's gate ``[B, T, HV, K]`` (B, T, HV of v, K of k),
-    checked (device, rank, shape) before the call goes on to fused_recurrent_kda, whose messages name
-    its gate 'g'. A gate of the wrong shape raises the gated delta rule's exception type,
-    ``ValueError``; k and v of the wrong rank are left to fused_recurrent_kda's checks."""
+    checked (device, rank, dtype, shape) with q, k and v before the call goes on to fused_recurrent_kda,
+    whose messages name its gate 'g' and whose shape errors are fla's KDA assertions: here they take
+    the gated delta rule's exception types (``ValueError``; ``NotImplementedError`` past the engine's
+    head dims), as the same call with ``g`` does."""
     check_cpu(("gk",), (gk,))
     if gk.dim() != 4:
         raise ValueError(
             f"kda: 'gk' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
             f"{list(gk.shape)}; a decay per head [B, T, HV] is passed as 'g'"
         )
-    if v.dim() == 4 and k.dim() == 4:
-        shape = (*v.shape[:3], k.shape[3])
-        if gk.shape != shape:
-            raise ValueError(f"gk must have shape [B, T, HV, K]={list(shape)}, got {list(gk.shape)}")
+    if not gk.is_floating_point():
+        raise TypeError(f"kda: 'gk' must be a floating-point tensor, got {gk.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return  # fused_recurrent_kda names the tensor of the wrong rank
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got q={q.shape} vs k={k.shape}")
+    H, K, HV = q.shape[2], q.shape[3], v.shape[2]
+    if K > _engine.MAX_HEAD_DIM:
+        raise NotImplementedError(f"kda supports key head dims up to {_engine.MAX_HEAD_DIM}, got K={K}")
+    if H >= 1 and HV % H != 0:
+        raise ValueError(
+            f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_qk_heads (H={H}), "
+            f"but got HV % H = {HV % H}"
+        )
+    shape = (*v.shape[:3], K)
+    if gk.shape != shape:
+        raise ValueError(f"gk must have shape [B, T, HV, K]={list(shape)}, got {list(gk.shape)}")
 
 
 def check_varlen(q, initial_state, cu_seqlens):

@@ -229,7 +229,7 @@ def fused_recurrent_gated_delta_rule(
     if gk is not None:
         # KDA's gate: fla applies A_log / dt_bias only to g (use_gate_in_kernel without g was refused
         # above), so gk is always a log decay here.
-        check_key_gate(gk, k, v)
+        check_key_gate(gk, q, k, v)
         return fused_recurrent_kda(
             q,
             k,

@@ -396,6 +396,39 @@ def test_a_malformed_gk_is_named_gk():
         kda.fused_recurrent_gated_delta_rule(**t, gk=torch.zeros(2, 10, 2, 8, device="meta"))
 
 
+def test_gk_takes_the_gated_delta_rules_exception_types():
+    """fused_recurrent_kda asserts on shapes (fla's KDA); through gk the errors are those the same call
+    with g raises, and a gate of the wrong dtype is named gk."""
+    q, v, beta = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.rand(1, 4, 2)
+    R = kda.fused_recurrent_gated_delta_rule
+    for gate in (dict(g=torch.zeros(1, 4, 2)), dict(gk=torch.zeros(1, 4, 2, 8))):
+        with pytest.raises(ValueError, match="q and k must have the same shape"):
+            R(q, torch.randn(1, 4, 1, 8), v, beta=beta, **gate)
+        with pytest.raises(ValueError, match="num_v_heads"):
+            R(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8), v, beta=beta, **gate)
+    wide = torch.randn(1, 4, 1, 300)
+    with pytest.raises(NotImplementedError, match="key head dims up to 256"):
+        R(wide, wide, torch.randn(1, 4, 1, 8), gk=torch.zeros(1, 4, 1, 300), beta=torch.ones(1, 4, 1))
+    with pytest.raises(TypeError, match="'gk' must be a floating-point tensor"):
+        R(q, q, v, gk=torch.zeros(1, 4, 2, 8, dtype=torch.int32), beta=beta)
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_float64_takes_the_scale_as_given(function):
+    """The float64 path computes in double all through: a scale that float cannot hold (the default
+    K^-0.5 at K = 8, or 0.1) is not rounded to float on the way (it was, 1.5e-8 to 3e-8 off)."""
+    case = Case(B=1, T=40, H=2, HV=2, K=8, V=8, dtype=torch.float64, regime="strong", **GDN)
+    tensors, options = make_inputs(case)
+    f = getattr(kda, function)
+    for scale in (None, 0.1, 1 / 3):
+        o, s = f(**tensors, **dict(options, scale=scale), output_final_state=True)
+        exact = case.K**-0.5 if scale is None else scale
+        o_ref, s_ref = f(
+            **dict(tensors, q=tensors["q"] * exact), **dict(options, scale=1.0), output_final_state=True
+        )
+        assert rel_rms(o, o_ref) < 1e-14 and torch.equal(s, s_ref)
+
+
 def test_unused_gate_arguments_warn_at_the_callers_line_in_both_families():
     """A_log without use_gate_in_kernel is not applied: a UserWarning pointing at the caller's line, from
     KDA's and the gated delta rule's functions and serving entries alike (gk's route included)."""
