@@ -196,7 +196,9 @@ def fused_recurrent_kda_fwd(
     token comes back as a new ``[N, HV, K, V]`` tensor (when ``output_final_state``).
 
     Without ``ssm_state_indices``, ``initial_state`` is ``[N, HV, K, V]`` and is updated in place with
-    ``inplace_final_state`` (fla's behaviour), or left alone.
+    ``inplace_final_state`` (fla's behaviour), or left alone. No ``initial_state`` (fla asserts
+    one with ``inplace_final_state``): every request starts from zeros, and its final state comes back
+    only with ``output_final_state``.
 
     ``out``: an optional ``[B, T, HV, V]`` tensor of v's dtype for the output. Returns ``(o,
     final_state)``: the pool (or the updated ``initial_state``) in place, else the new states or None.
@@ -417,7 +419,8 @@ def _decode(
             _, _, HV, V = v.shape
             K = q.shape[-1]
             state = (HV, V, K) if options.state_v_first else (HV, K, V)
-            pool, returned = torch.zeros((N, *state)), True
+            # No state to update in place: the final state comes back only when asked for.
+            pool, returned = torch.zeros((N, *state)), output_final_state
         elif inplace_final_state:
             pool, returned = initial_state, True
         else:

@@ -134,6 +134,20 @@ def test_not_in_place_and_without_indices():
     assert final_h is h and torch.equal(h, final_plain) and torch.equal(o_h, o_plain)
 
 
+def test_without_a_starting_state_the_final_state_is_returned_only_when_asked():
+    """No initial_state (fla asserts one with inplace_final_state): the requests start from zeros and
+    there is no pool to update, so the final state comes back only with output_final_state."""
+    case = Case(B=3, T=1, H=2, HV=2, K=16, V=16, regime="strong", **GDN)
+    tensors, options = make_inputs(case)
+    options.pop("initial_state")
+    with torch.inference_mode():
+        o, none = kda.fused_recurrent_gdn_fwd(**tensors, **options)
+        o2, final = kda.fused_recurrent_gdn_fwd(**tensors, output_final_state=True, **options)
+        o_ref, final_ref = kda.fused_recurrent_gated_delta_rule(**tensors, output_final_state=True, **options)
+    assert none is None
+    assert torch.equal(o, o_ref) and torch.equal(o2, o_ref) and torch.equal(final, final_ref)
+
+
 def test_serving_errors_leave_the_pool_unchanged():
     case = Case(B=3, T=2, H=1, HV=2, K=16, V=16, regime="unbounded", **KIMI, **GDN)
     tensors, options = make_inputs(case)
