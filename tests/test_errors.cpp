@@ -146,6 +146,8 @@ TEST_F(Errors, ProblemShapes) {
   expect_forward_rejected("scale", q);
   q.scale = std::numeric_limits<float>::quiet_NaN();
   expect_forward_rejected("scale", q);
+  q.scale = 1e300;  // finite as a double, infinite as the kernels' float
+  expect_forward_rejected("scale", q);
 }
 
 TEST_F(Errors, Options) {

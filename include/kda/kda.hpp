@@ -81,7 +81,9 @@ struct Problem {
   // Packed variable-length batch: N+1 non-decreasing offsets from 0 to seq_len, with batch == 1.
   // Empty: `batch` sequences of `seq_len` tokens each.
   std::span<const int64_t> cu_seqlens{};
-  std::optional<float> scale{};  // multiplies q; default key_dim^-0.5
+  // Multiplies q; default key_dim^-0.5. The float64 paths take it as given, the fp32 and bf16
+  // kernels rounded to float.
+  std::optional<double> scale{};
   StateLayout state_layout = StateLayout::k_first;
   bool qk_l2norm = false;  // normalise q and k per head: x * rsqrt(sum(x^2) + 1e-6)
   GateMode gate = GateMode::log_decay;

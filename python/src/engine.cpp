@@ -214,9 +214,10 @@ void read_offsets(const InArray& cu, std::vector<int64_t>& offsets) {
 
 // The one problem validation of a call: the problem of q [B, T, H, K] and v [B, T, HV, V] with the
 // options, prepared (kda::prepare copies cu_seqlens). Every engine function takes its result first.
-kda::Prepared prepare(const InArray& q, const InArray& v, const OptIn& cu_seqlens, std::optional<float> scale,
-                      bool state_v_first, bool qk_l2norm, const std::string& gate, float gate_lower_bound,
-                      const std::string& beta, const std::string& width) {
+kda::Prepared prepare(const InArray& q, const InArray& v, const OptIn& cu_seqlens,
+                      std::optional<double> scale, bool state_v_first, bool qk_l2norm,
+                      const std::string& gate, float gate_lower_bound, const std::string& beta,
+                      const std::string& width) {
   check_on_cpu("q", q);
   check_on_cpu("v", v);
   if (q.ndim() != 4) fail_value("q", "expected a 4-D [B, T, H, K] array, got shape " + shape_string(q));

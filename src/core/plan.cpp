@@ -100,7 +100,9 @@ Plan plan_problem(const Problem& p) {
     fail("key_dim", "expected 1.." + std::to_string(kMaxHeadDim) + ", got " + std::to_string(p.key_dim));
   if (p.value_dim < 1 || p.value_dim > kMaxHeadDim)
     fail("value_dim", "expected 1.." + std::to_string(kMaxHeadDim) + ", got " + std::to_string(p.value_dim));
-  if (p.scale && !std::isfinite(*p.scale)) fail("scale", "expected a finite value");
+  // (finite also once rounded to the kernels' float)
+  if (p.scale && !(std::isfinite(*p.scale) && std::isfinite(static_cast<float>(*p.scale))))
+    fail("scale", "expected a finite value");
   if (p.state_layout != StateLayout::k_first && p.state_layout != StateLayout::v_first)
     fail("state_layout", "expected k_first or v_first");
   if (p.gate != GateMode::log_decay && p.gate != GateMode::softplus && p.gate != GateMode::lower_bound)
@@ -121,7 +123,8 @@ Plan plan_problem(const Problem& p) {
   plan.V = p.value_dim;
   plan.group = p.value_heads / p.heads;
   plan.gate_dim = p.gate_width == GateWidth::per_head ? 1 : p.key_dim;
-  plan.scale = p.scale ? *p.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.key_dim)));
+  plan.exact_scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(p.key_dim));
+  plan.scale = static_cast<float>(plan.exact_scale);
 
   int64_t chunk = 0;
   auto add = [&](int64_t b, int64_t t0, int64_t len) {

@@ -30,7 +30,8 @@ struct StateRef {
 
 struct Plan {
   Problem problem;
-  float scale = 1.0f;
+  float scale = 1.0f;        // what the fp32 / bf16 kernels multiply q by: exact_scale rounded
+  double exact_scale = 1.0;  // the problem's scale, which the float64 paths (the oracle) use
   int64_t H = 0, HV = 0, K = 0, V = 0;
   int64_t group = 1;     // HV / H: value heads per query/key head
   int64_t gate_dim = 0;  // last dimension of g and the per-head length of dt_bias: K or 1 (per_head)

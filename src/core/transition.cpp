@@ -70,7 +70,7 @@ void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequ
     sp.cu_seqlens = {};
     sp.value_dim = W;
     sp.state_layout = StateLayout::k_first;
-    sp.scale = plan.scale;
+    sp.scale = plan.exact_scale;
     const Prepared sub = prepare(sp);
     v_aug.assign(static_cast<size_t>(n * HV * W), 0.0f);
     o_aug.resize(v_aug.size());

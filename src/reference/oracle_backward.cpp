@@ -31,7 +31,7 @@ Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector
   detail::check_size("d_final_state", d_final_state, s.states_size(s.N), true);
 
   const int64_t K = s.K, V = s.V, HV = s.HV, KV = K * V;
-  const double scale = static_cast<double>(plan.scale);
+  const double scale = plan.exact_scale;
   const GateMode gate = p.gate;
   const double lb = static_cast<double>(p.gate_lower_bound);
   const bool fused = plan.fused_gate();

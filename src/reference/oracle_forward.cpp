@@ -12,7 +12,7 @@ ForwardResult forward(const Prepared& prepared, const Inputs& in) {
   detail::check_inputs(plan, in);
   const detail::Shape s(plan);
   const int64_t K = s.K, V = s.V, HV = s.HV, KV = K * V;
-  const double scale = static_cast<double>(plan.scale);
+  const double scale = plan.exact_scale;
 
   ForwardResult r;
   r.o.assign(s.v_size(), 0.0);
