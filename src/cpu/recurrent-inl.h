@@ -359,12 +359,16 @@ void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t 
 // Every A_j / A_i is formed as the product a_{i+1} ... a_j (<= 1), never as a quotient, so a decay
 // that underflows to 0 stays exact. One pass over the state per group writes P' and accumulates
 // P'^T k and P'^T q of the next group: 3c + 1 vector operations per state vector for c tokens,
-// against 4 per token for the per-key kernel (1.23x fewer at c = 4), and one load and store of the
-// state per group instead of per token.
-constexpr int kGroup = 4;
-// Vectors per row of one sweep: the group's 2c accumulators and c residuals per vector must stay in
-// registers (24 of AVX-512's 32 at 2 vectors; 12 of AVX2's 16 at 1).
-constexpr int kScalarGateVectors = (HWY_TARGET == HWY_AVX2) ? 1 : 2;
+// against 4 per token for the per-key kernel (1.23x fewer at c = 4, 1.14x at c = 2), and one load and store
+// of the state per group instead of per token. Tokens per group and vectors per row of one sweep: the group's
+// 2c accumulators and c residuals per vector stay in registers, 24 of AVX-512's 32 at c = 4 and 2 vectors, 12
+// of AVX2's 16 at c = 2 and 2 vectors. On AVX2 the wider group (c = 4) fits at 1 vector only, where each
+// row's 12 broadcast loads (k and q of the group's tokens) serve one vector: that sweep ran slower than the
+// per-key kernel's 4 operations per token (T=4096 HV=16 on two Zen 3 cores: 68-73 ms against KDA's 62; a tree
+// over the row's chain of updates gave 64-76). At c = 2 they serve two vectors, 3.5 operations per token:
+// 55-57 ms, 87% of the FMA ports' rate (docs/performance.md, 2026-12-05).
+constexpr int kGroup = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
+constexpr int kScalarGateVectors = 2;
 
 // The per-group scalars of the formulas above, shared by every column of a head's state.
 struct GateGroup {
