@@ -23,7 +23,9 @@ warm-up call:
   train     forward + backward of loss = (o * do).sum() with autograd, fp32, at each --train-T;
   decode    `kda decode --gate head,key --json` (K-/V-first fp32/bf16 pools, N requests x 32 heads)
             against an in-place read-modify-write pass over the same state bytes (torch.mul(x, s,
-            out=x), s a 0-dim tensor holding 1.0), the two interleaved over --decode-rounds rounds;
+            out=x), s a 0-dim tensor holding 1.0), the two interleaved over --decode-rounds rounds,
+            and against `kda decode`'s own in-place pass over the same slots, timed right after
+            each row (the steadier ratio where the memory bandwidth moves between measurements);
 then the same run's sgemm rate (torch.mm fp32 2048^3) and copy bandwidth, measured before and after,
 issue 20's targets, and a PNG plot (--out).
 
@@ -264,7 +266,9 @@ def decode(args):
     import torch
 
     torch.set_num_threads(args.threads)
-    rows = {}  # (N, gate, layout, pool) -> {"us": [...], ...}
+    # (N, gate, layout, pool) -> {"us": [...], "slot_rmw": [...]}: the step, and `kda decode`'s own
+    # in-place pass over the same slots, timed right after the row's steps
+    rows = {}
     rmw = {}  # (N, pool) -> [us, ...]
     copies = []
     for _ in range(args.decode_rounds):
@@ -277,7 +281,9 @@ def decode(args):
                 if not line.startswith("{"):
                     continue
                 r = json.loads(line)
-                rows.setdefault((N, r["gate"], r["layout"], r["pool"]), []).append(r["us_per_call"])
+                row = rows.setdefault((N, r["gate"], r["layout"], r["pool"]), {"us": [], "slot_rmw": []})
+                row["us"].append(r["us_per_call"])
+                row["slot_rmw"].append(r["rmw_us"])
                 copies.append(r["copy_gb_per_s"])
             for pool, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
                 elements = N * args.decode_H * args.K * args.V
@@ -290,18 +296,23 @@ def print_decode(args, rows, rmw, copy):
         f"\ndecode: `kda decode --gate head,key` (one token per request, H=HV={args.decode_H} K={args.K} "
         f"V={args.V}, states in random pool slots, updated in place), {args.threads} threads, against an "
         f"in-place read-modify-write pass over the same state bytes (torch.mul(x, s, out=x)); medians of "
-        f"{args.decode_rounds} interleaved rounds; the decode run's copy bandwidth {copy or 0:.1f} GB/s"
+        f"{args.decode_rounds} interleaved rounds; the decode run's copy bandwidth {copy or 0:.1f} GB/s. "
+        "'slot RMW': `kda decode`'s own in-place pass (XOR) over the same slots, timed right after the "
+        "row's steps: where the memory bandwidth moves between measurements (shared machines), the "
+        "ratio to it is the steadier one"
     )
     header = (
         f"{'N':>5} {'gate':<4} {'layout':<7} {'pool':<5} {'us/step':>10} {'RMW us':>10} {'speed/RMW':>10}"
+        f" {'slot RMW us':>12} {'speed/slot':>11}"
     )
     print(header + "   target (GDN, N >= 32): >= 85%")
     print("-" * (len(header) + 33))
     summary = []
-    for (N, gate, layout, pool), us in sorted(
+    for (N, gate, layout, pool), row in sorted(
         rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "head", kv[0])
     ):
-        step, ref = statistics.median(us), statistics.median(rmw[N, pool])
+        step, ref = statistics.median(row["us"]), statistics.median(rmw[N, pool])
+        slot = statistics.median(row["slot_rmw"])
         frac = ref / step
         verdict = ""
         if gate == "head" and N >= 32:
@@ -310,7 +321,7 @@ def print_decode(args, rows, rmw, copy):
         name = "GDN" if gate == "head" else "KDA"
         print(
             f"{N:>5} {name:<4} {layout + '-first':<7} {pool:<5} {step:>10.1f} {ref:>10.1f} {frac:>10.0%}"
-            f"   {verdict}"
+            f" {slot:>12.1f} {slot / step:>11.0%}   {verdict}"
         )
     return summary
 
@@ -481,9 +492,9 @@ def plot(args, results, decode_data, path):
         ax = axes[len(panels)]
         rows_d, rmw = decode_data
         labels, fracs, colors = [], [], []
-        for (N, gate, layout, pool), us in sorted(rows_d.items()):
+        for (N, gate, layout, pool), row in sorted(rows_d.items()):
             labels.append(f"{'GDN' if gate == 'head' else 'KDA'} N={N}\n{layout}-first {pool}")
-            fracs.append(statistics.median(rmw[N, pool]) / statistics.median(us))
+            fracs.append(statistics.median(rmw[N, pool]) / statistics.median(row["us"]))
             colors.append("tab:blue" if gate == "head" else "tab:gray")
         ax.bar(range(len(fracs)), fracs, color=colors)
         ax.axhline(0.85, color="tab:red", linestyle="--", linewidth=1, label="target 85%")
