@@ -145,7 +145,9 @@ def test_without_a_starting_state_the_final_state_is_returned_only_when_asked():
         o2, final = kda.fused_recurrent_gdn_fwd(**tensors, output_final_state=True, **options)
         o_ref, final_ref = kda.fused_recurrent_gated_delta_rule(**tensors, output_final_state=True, **options)
     assert none is None
-    assert torch.equal(o, o_ref) and torch.equal(o2, o_ref) and torch.equal(final, final_ref)
+    assert torch.equal(o, o2)
+    # (the plain function without a starting state runs another kernel: equal up to rounding)
+    assert rel_rms(o, o_ref) < 1e-6 and rel_rms(final, final_ref) < 1e-6
 
 
 def test_serving_errors_leave_the_pool_unchanged():
