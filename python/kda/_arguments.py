@@ -156,10 +156,22 @@ def check_varlen(q, initial_state, cu_seqlens):
         )
 
 
+def check_types(names, tensors, required):
+    """Every argument a tensor (the first `required` of them) or None (the rest): a TypeError naming it,
+    where fla fails on an attribute of None or of a list."""
+    for i, (name, t) in enumerate(zip(names, tensors, strict=True)):
+        if isinstance(t, torch.Tensor) or (t is None and i >= required):
+            continue
+        wanted = "a tensor" if i < required else "a tensor or None"
+        raise TypeError(f"kda: '{name}' must be {wanted}, got {type(t).__name__}")
+
+
 def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_key"):
     """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
     messages and exception types."""
-    check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
+    tensors = (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    check_types(DEVICE_CHECKED, tensors, len(NAMES))
+    check_cpu(DEVICE_CHECKED, tensors)
     check_varlen(q, initial_state, cu_seqlens)
     check_shapes(q, k, v, g, beta, gate_width)
 

@@ -118,7 +118,7 @@ def chunk_kda(
     # A state pool may be bf16 (read into fp32, rounded once when written); a dense state is fp32 as in fla.
     if (
         not pooled
-        and initial_state is not None
+        and isinstance(initial_state, torch.Tensor)  # (anything else: named by the tensor checks)
         and initial_state.dtype != torch.float32
         and q.dtype != torch.float64
     ):

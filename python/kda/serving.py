@@ -19,6 +19,7 @@ from ._arguments import (
     beta_mode_of,
     check_cpu,
     check_shapes,
+    check_types,
     check_varlen,
     gate_mode,
     prepare_activations,
@@ -60,7 +61,9 @@ def _serving_checks(
     """fla-style checks of a serving call (run as _arguments.fla_errors runs them: after the engine
     refused the call). ``gate_width``: the call's problem option ("per_head": the gated delta rule's
     g [B, T, HV])."""
-    check_cpu(DEVICE_CHECKED, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
+    tensors = (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    check_types(DEVICE_CHECKED, tensors, len(NAMES))
+    check_cpu(DEVICE_CHECKED, tensors)
     check_varlen(q, None, cu_seqlens)
     check_shapes(q, k, v, g, beta, gate_width)
     for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
@@ -328,8 +331,6 @@ def _serve(
         raise ValueError("kda: num_accepted_tokens needs ssm_state_indices (speculative decoding on a pool)")
     if ssm_state_indices is not None and initial_state is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
-    plain = _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out))
-
     # What fla's checks read (a tuple, not a closure: cells would cost a decode step 0.3 us).
     checked = (
         q,
@@ -344,6 +345,11 @@ def _serve(
         (ssm_state_indices, num_accepted_tokens),
         gate_width,
     )
+    try:
+        plain = _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out))
+    except AttributeError:  # an argument that is not a tensor: the checks name it
+        _serving_checks(function, *checked)
+        raise
 
     # The engine validates every argument before it writes anything; fla's checks run only when it
     # refused the call (they would cost as much as the rest of a decode step's Python layer), or first

@@ -207,3 +207,31 @@ def test_gate_helper_errors():
         kda.fused_kda_gate(g, torch.zeros(4), torch.zeros(31))
     with pytest.raises(ValueError, match=r"\[..., HV, K\]"):
         kda.fused_kda_gate(torch.randn(8), torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    "function",
+    FUNCTIONS
+    + (
+        "chunk_gated_delta_rule",
+        "fused_recurrent_gated_delta_rule",
+        "fused_recurrent_kda_fwd",
+        "fused_recurrent_gdn_fwd",
+    ),
+)
+def test_an_argument_that_is_not_a_tensor_is_a_type_error_naming_it(function):
+    """fla fails on an attribute of None or of a list; kda names the argument (TypeError)."""
+    per_head = "gated_delta_rule" in function or "gdn" in function
+    tensors, options = _inputs(B=1, gate_width="per_head" if per_head else "per_key")
+    options.pop("initial_state", None)
+    f = getattr(kda, function)
+    for name, bad in (("cu_seqlens", [0, 5, 20]), ("initial_state", [1.0])):
+        with torch.inference_mode(), pytest.raises(TypeError, match=f"'{name}' must be a tensor or None"):
+            f(**tensors, **dict(options, **{name: bad}))
+    if function != "fused_recurrent_gated_delta_rule":  # there g and beta may be left out
+        for name in ("g", "beta"):
+            with (
+                torch.inference_mode(),
+                pytest.raises(TypeError, match=f"'{name}' must be a tensor, got NoneType"),
+            ):
+                f(**dict(tensors, **{name: None}), **options)
