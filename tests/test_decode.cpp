@@ -150,7 +150,9 @@ std::vector<DecodeCase> decode_cases() {
     }
   }
   // One token per request, rows of whole vectors: the slot kernels, under both gate widths. V-first:
-  // 23 rows, no multiple of the groups of four. K-first: an odd row count in the first pass, and
+  // 23 rows, no multiple of the groups of four, of 32, 56 or 48 keys: a bf16 pool's rows of whole
+  // pairs of vectors (32), and of pairs and an odd vector on AVX2 (56 = 7 x 8) and AVX-512
+  // (48 = 3 x 16). K-first: an odd row count in the first pass, and
   // rows of 240 or 56 values, which the column blocks split into every width: 8 + 4 + 2 + 1 vectors
   // of 16 lanes (240), 4 + 2 + 1 of 8 (56; 240 gives 4 x 7 + 2). The fourth case reads every odd
   // request's state from a second slot column (speculative indices, C = 2, two tokens accepted):
@@ -165,7 +167,7 @@ std::vector<DecodeCase> decode_cases() {
         c.T = 1;
         c.H = 2;
         c.HV = 4;
-        c.K = layout == StateLayout::k_first ? 23 : 32;
+        c.K = layout == StateLayout::k_first ? 23 : variant < 2 ? 32 : variant == 2 ? 56 : 48;
         c.V = layout == StateLayout::k_first ? (variant == 2 ? 56 : 240) : 23;
         if (variant == 3) dc.spec = true, dc.columns = 2;
         c.layout = layout;

@@ -23,7 +23,8 @@ float float_from_bits(uint32_t u) {
 
 // Every class of float the rounding treats apart: ties to even (both ways), just below and above a
 // tie, the largest finite values (rounding to infinity), infinities, subnormals, zeros, NaNs (quiet,
-// signalling, with payload), in a row long enough for whole vectors and a scalar tail.
+// signalling, with payload), in a row long enough for whole vectors and a scalar tail: 122
+// elements, whole pairs of vectors and an odd one on AVX2 (8 lanes) and AVX-512 (16).
 TEST(RowConversionParity, Bf16RoundingMatchesTheScalarDefinition) {
   std::vector<float> x;
   for (uint32_t high : {0x3f80u, 0x3f81u, 0xbf80u, 0x0000u, 0x8000u, 0x7f7fu, 0xff7fu, 0x0001u, 0x807fu})
@@ -32,16 +33,21 @@ TEST(RowConversionParity, Bf16RoundingMatchesTheScalarDefinition) {
   for (uint32_t u :
        {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffbf1234u, 0x7fff8000u, 0x00000001u})
     x.push_back(float_from_bits(u));
-  for (int i = 0; i < 41; ++i) x.push_back(std::ldexp(1.0f + static_cast<float>(i) / 37.0f, i - 20));
+  for (int i = 0; i < 61; ++i) x.push_back(std::ldexp(1.0f + static_cast<float>(i) / 37.0f, i - 30));
   const int64_t n = static_cast<int64_t>(x.size());
-  std::vector<uint16_t> bits(x.size());
-  std::vector<float> back(x.size());
-  cpu::convert_row_for_testing(x.data(), n, bits.data(), back.data());
-  for (int64_t i = 0; i < n; ++i) {
-    const uint16_t want = core::float_to_bf16(x[static_cast<size_t>(i)]);
-    EXPECT_EQ(bits[static_cast<size_t>(i)], want) << "element " << i;
-    const float widened = core::bf16_to_float(want);
-    EXPECT_EQ(std::memcmp(&back[static_cast<size_t>(i)], &widened, 4), 0) << "element " << i;
+  // Row conversions one vector at a time, then two at a time in the bf16 slot steps' pair order.
+  for (const auto convert : {cpu::convert_row_for_testing, cpu::convert_row_in_pairs_for_testing}) {
+    const bool pairs = convert == cpu::convert_row_in_pairs_for_testing;
+    std::vector<uint16_t> bits(x.size());
+    std::vector<float> back(x.size());
+    convert(x.data(), n, bits.data(), back.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t want = core::float_to_bf16(x[static_cast<size_t>(i)]);
+      EXPECT_EQ(bits[static_cast<size_t>(i)], want) << "element " << i << (pairs ? " in pairs" : "");
+      const float widened = core::bf16_to_float(want);
+      EXPECT_EQ(std::memcmp(&back[static_cast<size_t>(i)], &widened, 4), 0)
+          << "element " << i << (pairs ? " in pairs" : "");
+    }
   }
 }
 

@@ -24,6 +24,8 @@ const char* simd_target();
 // The kernels' row conversions on the dispatched target, for the tests: x (n floats) stored as a
 // bf16 row, and that row read back as floats.
 void convert_row_for_testing(const float* x, int64_t n, uint16_t* bf16, float* widened);
+// The same through the bf16 slot steps' pair order (two vectors at a time, decode.cpp).
+void convert_row_in_pairs_for_testing(const float* x, int64_t n, uint16_t* bf16, float* widened);
 // Bits of the vectors the kernels use (hardware = false) or of the CPU's vectors, on that target.
 int simd_vector_bits(bool hardware);
 

@@ -300,22 +300,57 @@ HWY_INLINE VF load_bf16(const uint16_t* HWY_RESTRICT p) {
   return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, p))));
 }
 
-// One vector of floats stored at p as bf16, rounded to nearest even with NaN kept a quiet NaN: bit
-// for bit core::float_to_bf16. The NaN lanes take their quieted bits before the one shift (a mask
-// from IsNaN rather than an integer compare and a second shift): the bf16 decode kernels are bound by
-// these instructions, not by memory.
-HWY_INLINE void store_bf16(VF x, uint16_t* HWY_RESTRICT p) {
+// One vector of floats rounded to bf16: the bf16 bits in the upper half of each 32-bit lane, rounded
+// to nearest even with NaN kept a quiet NaN (core::float_to_bf16 of a lane is bits >> 16). The NaN
+// lanes take their quieted bits from a mask from IsNaN rather than an integer compare and a second
+// shift: the bf16 decode kernels are bound by these instructions, not by memory.
+HWY_INLINE hn::Vec<hn::Rebind<uint32_t, DF>> bf16_rounded(VF x) {
   const hn::Rebind<uint32_t, DF> du32;
-  const hn::Rebind<uint16_t, DF> du16;
-  const hn::Rebind<int32_t, DF> di32;
   const auto u = hn::BitCast(du32, x);
   const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
   const auto rounded = hn::Add(hn::Add(u, hn::Set(du32, 0x7fffu)), lsb);
-  const auto bits =
-      hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(x)), hn::Or(u, hn::Set(du32, 0x400000u)), rounded);
+  return hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(x)), hn::Or(u, hn::Set(du32, 0x400000u)), rounded);
+}
+
+// One vector of floats stored at p as bf16: bit for bit core::float_to_bf16.
+HWY_INLINE void store_bf16(VF x, uint16_t* HWY_RESTRICT p) {
+  const hn::Rebind<uint16_t, DF> du16;
+  const hn::Rebind<int32_t, DF> di32;
   // Every lane is <= 0xffff after the shift, so the signed-to-unsigned demotion (which Highway has)
   // keeps it.
-  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, hn::ShiftRight<16>(bits))), du16, p);
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, hn::ShiftRight<16>(bf16_rounded(x)))), du16, p);
+}
+
+// Two vectors' worth of bf16 values at p (2 lanes() elements) in "pair order": `even` holds the
+// elements 0, 2, 4, ..., `odd` the elements 1, 3, 5, .... A 32-bit lane of the loaded bits holds one
+// even element in its lower half and the odd one after it in its upper half (little-endian), so one
+// shift widens the even elements and one mask the odd: two operations for two vectors, where
+// load_bf16 takes a widening move and a shift for each.
+HWY_INLINE void load_bf16_pair(const uint16_t* HWY_RESTRICT p, VF& even, VF& odd) {
+#if HWY_TARGET == HWY_SCALAR  // one lane: pair order is the elements' own order
+  even = load_bf16(p);
+  odd = load_bf16(p + 1);
+#else
+  const hn::Repartition<uint32_t, DF> du32;
+  const hn::Repartition<uint16_t, DF> du16;
+  const auto bits = hn::BitCast(du32, hn::LoadU(du16, p));
+  even = hn::BitCast(DF(), hn::ShiftLeft<16>(bits));
+  odd = hn::BitCast(DF(), hn::And(bits, hn::Set(du32, 0xffff0000u)));
+#endif
+}
+
+// The inverse of load_bf16_pair, rounded as store_bf16 rounds (bit for bit): the odd elements' bf16
+// bits are already in the upper halves, the even ones' move down with one shift, and one 16-bit blend
+// joins them, where store_bf16 shifts, narrows and (on AVX2) crosses the 128-bit halves for each.
+HWY_INLINE void store_bf16_pair(VF even, VF odd, uint16_t* HWY_RESTRICT p) {
+#if HWY_TARGET == HWY_SCALAR
+  store_bf16(even, p);
+  store_bf16(odd, p + 1);
+#else
+  const hn::Repartition<uint16_t, DF> du16;
+  const auto low = hn::BitCast(du16, hn::ShiftRight<16>(bf16_rounded(even)));
+  hn::StoreU(hn::OddEven(hn::BitCast(du16, bf16_rounded(odd)), low), du16, p);
+#endif
 }
 
 // Reads n contiguous elements of row (b, t, h) as floats: core::load_row in this target's vectors
