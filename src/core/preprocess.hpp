@@ -13,6 +13,18 @@ namespace kda::core {
 inline constexpr double kL2NormEps = 1e-6;       // inside the square root
 inline constexpr double kSoftplusLinear = 20.0;  // softplus(x) = x above this, as torch does
 
+// min(x, 0) and max(x, lo) that keep a NaN x a NaN (std::min(T(0), x) returns 0 for one): a NaN
+// in a gate must reach the outputs it touches, as in the float64 oracle and in torch, not pass for
+// "no decay" or "total decay".
+template <typename T>
+T nonpositive(T x) {
+  return x > T(0) ? T(0) : x;
+}
+template <typename T>
+T at_least(T x, T lo) {
+  return x < lo ? lo : x;
+}
+
 template <typename T>
 T sigmoid(T x) {
   // Two branches so neither exp can overflow.

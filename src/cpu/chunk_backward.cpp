@@ -164,10 +164,29 @@ void scalar_gate_pair_terms(const ChunkWork& w, BackwardWork& bw, int64_t n, flo
   float* kb = bw.kb.data();
   for (int64_t i = 0; i < n; ++i)
     scale_row(w.beta[static_cast<size_t>(i)], w.k.data() + i * Kp, kb + i * Kp, Kp);
-  gemm(n, Kp, n, dP, C, 1, w.k.data(), Kp, bw.dQi.data(), Kp, Accumulate::overwrite);
-  gemm(n, Kp, n, dL, C, 1, w.k.data(), Kp, bw.r.data(), Kp, Accumulate::overwrite);
-  gemm(n, Kp, n, dP, 1, C, w.q.data(), Kp, bw.dKcol.data(), Kp, Accumulate::overwrite);
-  gemm(n, Kp, n, dL, 1, C, kb, Kp, bw.dKcol.data(), Kp, Accumulate::add);
+  // Only over the pairs a row has (j <= i for dQi, j < i for r, and the same pairs seen from j for
+  // dKcol), never over the zeros past the diagonal: zero times a NaN row of q or k is NaN, which
+  // would reach gradients the recurrence does not tie to that row (the float64 oracle's NaNs are the
+  // reference). Products for the blocks below the diagonal blocks of kSub rows, sums row by row on
+  // them.
+  float* dQi = bw.dQi.data();
+  float* r = bw.r.data();
+  float* dKcol = bw.dKcol.data();
+  const float* q = w.q.data();
+  const float* k = w.k.data();
+  for (int64_t s = 0; s < n; s += kSub) {
+    const int64_t e = std::min(s + kSub, n);
+    gemm(e - s, Kp, s, dP + s * C, C, 1, k, Kp, dQi + s * Kp, Kp, Accumulate::overwrite);
+    gemm(e - s, Kp, s, dL + s * C, C, 1, k, Kp, r + s * Kp, Kp, Accumulate::overwrite);
+    gemm(e - s, Kp, n - e, dP + e * C + s, 1, C, q + e * Kp, Kp, dKcol + s * Kp, Kp, Accumulate::overwrite);
+    gemm(e - s, Kp, n - e, dL + e * C + s, 1, C, kb + e * Kp, Kp, dKcol + s * Kp, Kp, Accumulate::add);
+    for (int64_t i = s; i < e; ++i) {
+      add_combination(dQi + i * Kp, k, Kp, s, i + 1, dP + i * C, 1, Kp);
+      add_combination(r + i * Kp, k, Kp, s, i, dL + i * C, 1, Kp);
+      add_combination(dKcol + i * Kp, q, Kp, i, e, dP + i, C, Kp);
+      add_combination(dKcol + i * Kp, kb, Kp, i + 1, e, dL + i, C, Kp);
+    }
+  }
 }
 
 // Backward of one chunk [t0, t0 + n) of value head hv. S: state entering it; dS: gradient of the state

@@ -244,7 +244,7 @@ inline void build_decay_factors_scalar(ChunkWork& w, int64_t n, float scale) {
   };
   double acc = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const double g = std::min(0.0, static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
+    const double g = core::nonpositive(static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
     acc += g;
     fill_row(w.eG, i, static_cast<float>(std::exp(acc)));
     fill_row(w.eg, i, static_cast<float>(std::exp(g)));
@@ -253,7 +253,7 @@ inline void build_decay_factors_scalar(ChunkWork& w, int64_t n, float scale) {
   acc = 0.0;
   for (int64_t i = n - 1; i >= 0; --i) {
     fill_row(w.eGd, i, static_cast<float>(std::exp(acc)));
-    acc += std::min(0.0, static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
+    acc += core::nonpositive(static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
   }
   for (int64_t i = 0; i < n; ++i) {
     const float eG = w.eG[static_cast<size_t>(i * Kp)], eGd = w.eGd[static_cast<size_t>(i * Kp)];

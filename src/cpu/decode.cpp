@@ -669,7 +669,7 @@ void load_slot_token(const core::Plan& plan, const ForwardInputs& fwd, const cor
   // A per-head gate (the gated delta rule) is one decay for the whole state: one exponential, as
   // the recurrent forward takes it (padded lanes: zero state, so any factor keeps them zero).
   const bool per_head = plan.per_head_gate();
-  const VF head_e = hn::Set(d, per_head ? std::exp(std::min(t.e[0], 0.0f)) : 0.0f);
+  const VF head_e = hn::Set(d, per_head ? std::exp(core::nonpositive(t.e[0])) : 0.0f);
   VF kq = hn::Zero(d);
   for (int64_t c = 0; c < Kp; c += lanes()) {
     const VF e = per_head ? head_e : exp_nonpositive(d, hn::LoadU(d, t.e.data() + c));

@@ -559,7 +559,7 @@ inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, c
     float* g = rows.from(j, first).g;
     if (plan.per_head_gate()) {
       // The per-head sweep reads channel 0 only (scalar_gate_sweep): one exponential per token.
-      for (int64_t i = 0; i < count; ++i) g[i * rows.Kp] = std::exp(std::min(g[i * rows.Kp], 0.0f));
+      for (int64_t i = 0; i < count; ++i) g[i * rows.Kp] = std::exp(core::nonpositive(g[i * rows.Kp]));
     } else {
       exp_rows(g, count, rows.Kp);
     }

@@ -329,22 +329,22 @@ void gate_rows_double(GateMode mode, double a, float lb, const float* bias, cons
     VD gv;
     if (mode == GateMode::softplus) {
       const VD sp = hn::Log1p(dd, hn::Exp(dd, hn::Min(x, lin)));
-      gv = hn::Neg(hn::Mul(va, hn::IfThenElse(hn::Gt(x, lin), x, sp)));
+      gv = keep_nan(x, hn::Neg(hn::Mul(va, hn::IfThenElse(hn::Gt(x, lin), x, sp))));
     } else {
       const VD z = hn::Mul(va, x);
       const VD s = hn::Div(one, hn::Add(one, hn::Exp(dd, hn::Min(hn::Neg(z), hn::Set(dd, 700.0)))));
-      gv = hn::Mul(hn::Set(dd, static_cast<double>(lb)), s);
+      gv = keep_nan(z, hn::Mul(hn::Set(dd, static_cast<double>(lb)), s));
     }
-    gv = hn::Max(hn::Min(gv, hn::Zero(dd)),
-                 hn::Set(dd, -static_cast<double>(std::numeric_limits<float>::max())));
+    gv = keep_nan(gv, hn::Max(hn::Min(gv, hn::Zero(dd)),
+                              hn::Set(dd, -static_cast<double>(std::numeric_limits<float>::max()))));
     hn::StoreU(hn::DemoteTo(dh, gv), dh, g + i);
-    hn::StoreU(hn::DemoteTo(dh, hn::Exp(dd, gv)), dh, e + i);
+    hn::StoreU(hn::DemoteTo(dh, keep_nan(gv, hn::Exp(dd, gv))), dh, e + i);
   }
   for (; i < K; ++i) {
     const double gv =
-        std::max(std::min(0.0, core::gate_forward<double>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0,
-                                                          static_cast<double>(lb))),
-                 -static_cast<double>(std::numeric_limits<float>::max()));
+        core::at_least(core::nonpositive(core::gate_forward<double>(
+                           mode, raw[i], a, bias != nullptr ? bias[i] : 0.0, static_cast<double>(lb))),
+                       -static_cast<double>(std::numeric_limits<float>::max()));
     g[i] = static_cast<float>(gv);
     e[i] = static_cast<float>(std::exp(gv));
   }

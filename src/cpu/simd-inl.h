@@ -210,13 +210,21 @@ inline void transpose(const float* src, int64_t ld_src, int64_t rows, int64_t co
     for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
 }
 
-// exp(x) for x <= 0 (clamped there), 0 on underflow: never inf, never NaN for finite x.
-HWY_INLINE VF exp_nonpositive(DF d, VF x) { return hn::Exp(d, hn::Min(x, hn::Zero(d))); }
+// y, but x in the lanes where x is NaN. The clamps below (Min, Max) and Highway's Exp (0 below its
+// range, so for NaN too) would otherwise turn a NaN input into a number: a NaN gate must reach the
+// outputs it touches, as in the float64 oracle and in torch (core::nonpositive).
+template <class V>
+HWY_INLINE V keep_nan(V x, V y) {
+  return hn::IfThenElse(hn::IsNaN(x), x, y);
+}
 
-// sigmoid(x) = 1 / (1 + exp(-x)), with exp's argument clamped so it cannot overflow.
+// exp(x) for x <= 0 (clamped there), 0 on underflow: never inf, never NaN for finite x; NaN for NaN.
+HWY_INLINE VF exp_nonpositive(DF d, VF x) { return keep_nan(x, hn::Exp(d, hn::Min(x, hn::Zero(d)))); }
+
+// sigmoid(x) = 1 / (1 + exp(-x)), with exp's argument clamped so it cannot overflow; NaN for NaN.
 HWY_INLINE VF sigmoid(DF d, VF x) {
   const VF e = hn::Exp(d, hn::Min(hn::Neg(x), hn::Set(d, 80.0f)));
-  return hn::Div(hn::Set(d, 1.0f), hn::Add(hn::Set(d, 1.0f), e));
+  return keep_nan(x, hn::Div(hn::Set(d, 1.0f), hn::Add(hn::Set(d, 1.0f), e)));
 }
 
 // exp(A_log) as the gate's float scale, finite even for A_log > 88 (where exp overflows float): an
@@ -245,26 +253,29 @@ inline void gate_row(GateMode mode, float a, float lower_bound, const float* bia
       const VF lin = hn::Set(d, static_cast<float>(core::kSoftplusLinear));
       const VF ex = hn::Exp(d, hn::Min(x, lin));
       const VF sp = hn::IfThenElse(hn::Lt(x, hn::Set(d, -15.0f)), ex, hn::Log1p(d, ex));
-      y = hn::Neg(hn::Mul(va, hn::IfThenElse(hn::Gt(x, lin), x, sp)));
+      y = keep_nan(x, hn::Neg(hn::Mul(va, hn::IfThenElse(hn::Gt(x, lin), x, sp))));
     } else {
       y = hn::Mul(hn::Set(d, lower_bound), sigmoid(d, hn::Mul(va, x)));
     }
-    hn::StoreU(hn::Max(y, hn::Set(d, -std::numeric_limits<float>::max())), d, out + i);
+    hn::StoreU(keep_nan(y, hn::Max(y, hn::Set(d, -std::numeric_limits<float>::max()))), d, out + i);
   }
   for (; i < n; ++i)
-    out[i] =
-        std::max(core::gate_forward<float>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0f, lower_bound),
-                 -std::numeric_limits<float>::max());
+    out[i] = core::at_least(
+        core::gate_forward<float>(mode, raw[i], a, bias != nullptr ? bias[i] : 0.0f, lower_bound),
+        -std::numeric_limits<float>::max());
 }
 
-// x -= sum_{j in [j0, j1)} coef[j * coef_stride] * rows[j * ld] over n floats (n a multiple of the
-// vector length): the triangular solves' inner step. x is held in registers, 8 vectors at a time,
-// and stored once per block rather than once per j.
-inline void subtract_combination(float* HWY_RESTRICT x, const float* rows, int64_t ld, int64_t j0, int64_t j1,
-                                 const float* coef, int64_t coef_stride, int64_t n) {
+// x -= (kSubtract) or x += sum_{j in [j0, j1)} coef[j * coef_stride] * rows[j * ld] over n floats (n a
+// multiple of the vector length): the triangular solves' inner step. x is held in registers, 8
+// vectors at a time, and stored once per block rather than once per j.
+template <bool kSubtract>
+inline void combine_rows(float* HWY_RESTRICT x, const float* rows, int64_t ld, int64_t j0, int64_t j1,
+                         const float* coef, int64_t coef_stride, int64_t n) {
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   constexpr int kBlock = 8;
+  const auto step = [](VF c, VF row, VF acc)
+                        HWY_ATTR { return kSubtract ? hn::NegMulAdd(c, row, acc) : hn::MulAdd(c, row, acc); };
   int64_t c = 0;
   for (; c + kBlock * L <= n; c += kBlock * L) {
     VectorArray<kBlock> acc;
@@ -272,16 +283,25 @@ inline void subtract_combination(float* HWY_RESTRICT x, const float* rows, int64
     for (int64_t j = j0; j < j1; ++j) {
       const VF cj = hn::Set(d, coef[j * coef_stride]);
       const float* row = rows + j * ld + c;
-      for (int v = 0; v < kBlock; ++v) acc.set(v, hn::NegMulAdd(cj, hn::LoadU(d, row + v * L), acc.get(v)));
+      for (int v = 0; v < kBlock; ++v) acc.set(v, step(cj, hn::LoadU(d, row + v * L), acc.get(v)));
     }
     for (int v = 0; v < kBlock; ++v) hn::StoreU(acc.get(v), d, x + c + v * L);
   }
   for (; c < n; c += L) {
     VF acc = hn::LoadU(d, x + c);
     for (int64_t j = j0; j < j1; ++j)
-      acc = hn::NegMulAdd(hn::Set(d, coef[j * coef_stride]), hn::LoadU(d, rows + j * ld + c), acc);
+      acc = step(hn::Set(d, coef[j * coef_stride]), hn::LoadU(d, rows + j * ld + c), acc);
     hn::StoreU(acc, d, x + c);
   }
+}
+
+inline void subtract_combination(float* HWY_RESTRICT x, const float* rows, int64_t ld, int64_t j0, int64_t j1,
+                                 const float* coef, int64_t coef_stride, int64_t n) {
+  combine_rows<true>(x, rows, ld, j0, j1, coef, coef_stride, n);
+}
+inline void add_combination(float* HWY_RESTRICT x, const float* rows, int64_t ld, int64_t j0, int64_t j1,
+                            const float* coef, int64_t coef_stride, int64_t n) {
+  combine_rows<false>(x, rows, ld, j0, j1, coef, coef_stride, n);
 }
 
 // y += x over n floats (n a multiple of the vector length).
@@ -423,8 +443,8 @@ HWY_INLINE void l2norm_backward_row(const float* y, float rstd, float* dy, int64
 // and token, dt_bias [HV] (may be null), clamped to -FLT_MAX as gate_row clamps.
 inline float head_gate(const Problem& p, float a, const float* dt_bias, int64_t hv, float x) {
   const float bias = dt_bias != nullptr ? dt_bias[hv] : 0.0f;
-  return std::max(core::gate_forward<float>(p.gate, x, a, bias, p.gate_lower_bound),
-                  -std::numeric_limits<float>::max());
+  return core::at_least(core::gate_forward<float>(p.gate, x, a, bias, p.gate_lower_bound),
+                        -std::numeric_limits<float>::max());
 }
 
 // Loads rows [t_begin, t_begin + n) (relative to the sequence start) of value head hv.
