@@ -255,15 +255,19 @@ def prepare_activations(q, k, v, g, beta):
     return tuple(_engine_ready(t) for t in acts), torch.float32
 
 
-def side(t, dtype):
-    """A_log, dt_bias, initial_state: packed, in the path's state dtype (a differentiable cast)."""
+def side(t, dtype, name):
+    """A_log, dt_bias, initial_state (``name``): packed, in the path's state dtype (a differentiable
+    cast from another floating-point dtype; an integer or complex tensor is a TypeError naming it,
+    where a cast would drop its fractions or its imaginary part)."""
     if t.dtype == dtype and t.is_contiguous():
         return t
+    if not t.is_floating_point():
+        raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
     return t.to(dtype).contiguous()
 
 
-def side_f32(t):
-    return None if t is None else side(t, torch.float32)
+def side_f32(t, name):
+    return None if t is None else side(t, torch.float32, name)
 
 
 class fla_errors:

@@ -69,13 +69,13 @@ def run(
             # fla's gate without A_log is lower_bound * sigmoid(g + dt_bias): exp(A_log) = 1.
             A_log = torch.zeros(v.shape[2], dtype=state_dtype)
         if A_log is not None:
-            A_log = side(A_log, state_dtype)
+            A_log = side(A_log, state_dtype, "A_log")
         if dt_bias is not None:
-            dt_bias = side(dt_bias, state_dtype)
+            dt_bias = side(dt_bias, state_dtype, "dt_bias")
             if dt_bias.dim() != 1:
                 dt_bias = dt_bias.reshape(-1)
         if initial_state is not None:
-            initial_state = side(initial_state, state_dtype)
+            initial_state = side(initial_state, state_dtype, "initial_state")
         grad, plain = _ops.inspect_inputs(
             (q, k, v, g, beta, A_log, dt_bias, initial_state, options.cu_seqlens)
         )

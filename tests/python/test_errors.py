@@ -171,6 +171,27 @@ def test_side_tensor_shapes_are_named(function):
         _call(function, tensors, options, q=torch.ones(1, 20, 2, 8, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("function", ("fused_recurrent_kda", "fused_recurrent_gated_delta_rule"))
+def test_side_tensors_of_integers_or_complex_numbers_are_type_errors(function):
+    """A cast would drop their fractions or imaginary parts (another float dtype is read as float32)."""
+    per_head = function == "fused_recurrent_gated_delta_rule"
+    tensors, options = _inputs(regime="unbounded", **KIMI, gate_width="per_head" if per_head else "per_key")
+    h0 = options["initial_state"]
+    for name, bad in (
+        ("initial_state", h0.to(torch.int32)),
+        ("initial_state", h0.to(torch.complex64)),
+        ("A_log", options["A_log"].to(torch.int64)),
+        ("dt_bias", options["dt_bias"].to(torch.complex64)),
+    ):
+        with pytest.raises(TypeError, match=f"'{name}' must be a floating-point tensor, got {bad.dtype}"):
+            _call(function, tensors, options, **{name: bad})
+    for name in ("A_log", "dt_bias"):
+        bad = options[name].to(torch.int32)
+        with torch.inference_mode(), pytest.raises(TypeError, match=f"'{name}' must be a floating-point"):
+            decode = kda.serving.fused_recurrent_gdn_fwd if per_head else kda.serving.fused_recurrent_kda_fwd
+            decode(**tensors, **dict(options, **{name: bad}), inplace_final_state=False)
+
+
 def test_unused_gate_arguments_are_not_silently_ignored():
     tensors, options = _inputs()
     with pytest.warns(UserWarning, match="A_log and dt_bias are only used with use_gate_in_kernel"):
