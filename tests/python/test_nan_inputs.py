@@ -7,6 +7,7 @@ and the decode on a pool; the elements that stay numbers match the oracle."""
 import kda
 import pytest
 import torch
+from harness import rel_rms, tolerance
 
 B, T, H, K, V = 1, 150, 2, 32, 32
 AT = (0, 70, 1)  # batch, token, head of the NaN: inside the second chunk of 64
@@ -17,9 +18,17 @@ ENTRIES = {
     "chunk_gated_delta_rule": (kda.chunk_gated_delta_rule, True),
     "fused_recurrent_gated_delta_rule": (kda.fused_recurrent_gated_delta_rule, True),
 }
+POISONED = ("g", "A_log", "beta", "q", "k", "v")
+# (fla's chunk_gated_delta_rule has no fused gate: no A_log there.)
+CASES = [(e, p) for e in ENTRIES for p in POISONED if (e, p) != ("chunk_gated_delta_rule", "A_log")]
+# The tolerance table's quantity for each result. dA_log and ddt_bias sum dg over the tokens: the
+# table bounds them against the terms' magnitudes (harness.sum_error); here, with one NaN head, their
+# relative error is held to dg's limit.
+QUANTITY = dict(final_state="state", dA_log="dg", ddt_bias="dg")
 
 
 def _inputs(per_head, poisoned, dtype, fused):
+    """The inputs in `dtype` (A_log, dt_bias in float32), leaves of the graph."""
     gen = torch.Generator().manual_seed(5)
     x = {
         "q": torch.randn(B, T, H, K, generator=gen),
@@ -42,20 +51,15 @@ def _inputs(per_head, poisoned, dtype, fused):
         x[poisoned][AT + (3,)] = float("nan")
     x = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
     if fused:
-        param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        x.update({n: t.to(param_dtype).requires_grad_() for n, t in gate.items()})
+        x.update({n: t.requires_grad_() for n, t in gate.items()})
     return x
 
 
-def _run(entry, poisoned, dtype):
-    fn, per_head = ENTRIES[entry]
-    fused = poisoned == "A_log" or entry != "chunk_gated_delta_rule"
-    x = _inputs(per_head, poisoned, dtype, fused)
+def _run(entry, x, fused):
+    fn = ENTRIES[entry][0]
     options = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
     if fused:
         options["use_gate_in_kernel"] = True
-    if poisoned == "A_log" and entry == "chunk_gated_delta_rule":
-        pytest.skip("fla's chunk_gated_delta_rule has no fused gate")
     o, state = fn(**x, **options)
     (o.float().sum() + state.float().sum()).backward()
     results = {"o": o.detach(), "final_state": state.detach()}
@@ -64,11 +68,13 @@ def _run(entry, poisoned, dtype):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("poisoned", ("g", "A_log", "beta", "q", "k", "v"))
-@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(("entry", "poisoned"), CASES)
 def test_a_nan_reaches_what_it_touches_and_nothing_else(entry, poisoned, dtype):
-    want = _run(entry, poisoned, torch.float64)
-    got = _run(entry, poisoned, dtype)
+    fused = poisoned == "A_log" or entry != "chunk_gated_delta_rule"
+    x = _inputs(ENTRIES[entry][1], poisoned, dtype, fused)
+    got = _run(entry, x, fused)
+    # The oracle on the same (rounded) values.
+    want = _run(entry, {n: t.detach().double().requires_grad_() for n, t in x.items()}, fused)
     assert torch.isnan(want["o"]).any()
     for name, ref in want.items():
         have = got[name].double()
@@ -78,9 +84,10 @@ def test_a_nan_reaches_what_it_touches_and_nothing_else(entry, poisoned, dtype):
         )
         finite = ~torch.isnan(ref)
         if finite.any():
-            a, b = have[finite], ref[finite]
-            err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            assert err <= (2e-2 if dtype == torch.bfloat16 else 1e-4), f"{name}: relative error {err:.2e}"
+            quantity = QUANTITY.get(name, name)
+            path = "forward" if quantity in ("o", "state") else "backward"
+            err = rel_rms(have[finite], ref[finite])
+            assert err <= tolerance(path, dtype, quantity), f"{name}: relative RMS error {err:.2e}"
 
 
 @pytest.mark.parametrize("pool_dtype", (torch.float32, torch.bfloat16), ids=str)
