@@ -49,6 +49,13 @@ constexpr int64_t kTokens = kChunkSize;  // token rows gathered at a time
 
 HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
+// Elements of a state row that the slot kernels take per cache line: a line's worth, or one vector
+// where a vector is longer than a line.
+template <typename Src>
+HWY_INLINE int64_t line_elements() {
+  return std::max<int64_t>(64 / static_cast<int64_t>(sizeof(Src)), lanes());
+}
+
 // The state bytes below which one more decode worker does not pay for its wake-up (see Decode).
 constexpr int64_t kDecodeBytesPerWorker = int64_t{4} << 20;
 
@@ -108,10 +115,17 @@ class NextStateToL2 {
   NextStateToL2(const NextState& next, int64_t steps)
       : base_(reinterpret_cast<uintptr_t>(next.data) & ~uintptr_t{63}),
         end_(next.data == nullptr ? 0 : next.bytes + reinterpret_cast<uintptr_t>(next.data) % 64),
-        share_((end_ / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63}) {}
+        share_(std::max<size_t>((end_ / static_cast<size_t>(std::max<int64_t>(steps, 1)) + 63) & ~size_t{63},
+                                64)) {}
+  // The slot kernels call this about once per cache line of their own state, so it is kept to a
+  // compare, a request and an add where a share is one line (fp32 on AVX2): a loop clipped to the
+  // share's end cost 10% of the instructions of an fp32 V-first slot step (callgrind, AVX2).
   HWY_INLINE void step() {
-    const size_t to = std::min(at_ + share_, end_);
-    for (; at_ < to; at_ += 64) prefetch_to_l2(reinterpret_cast<const void*>(base_ + at_));
+    if (at_ >= end_) return;
+    const char* p = reinterpret_cast<const char*>(base_ + at_);
+    prefetch_to_l2(p);
+    for (size_t b = 64; b < share_ && at_ + b < end_; b += 64) prefetch_to_l2(p + b);
+    at_ += share_;
   }
 
  private:
@@ -405,8 +419,10 @@ HWY_INLINE void from_pair_order(float* HWY_RESTRICT x, int64_t n) {
 // pass keeps the widened rows in `kept`, so that the second neither reads nor widens them again:
 // the bf16 kernels are bound by instructions. In pair order (bf16 to bf16) widening a pair costs
 // two operations, less than storing and loading it again, so the second pass reads the rows anew.
-// fp32 sources: `ahead` takes the next state's share once per vector column of each pass, and the
-// first pass requests the same column of `next_rows` (the next group's, if any) toward L1.
+// Outside pair order the passes go a cache line of the rows at a time (line_elements): `ahead`
+// takes the next state's share once per line of each pass, and the first pass requests the same line
+// of `next_rows` (the next group's, if any) toward L1. Done once per vector, with a check for the
+// line's start, they cost another 7% of the instructions of an fp32 step (callgrind, AVX2).
 template <int R, typename Src, typename Dst>
 HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
                              float* HWY_RESTRICT kept, NextStateToL2* ahead, const Src* next_rows) {
@@ -418,11 +434,24 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   const int64_t step = kPairs ? 2 * L : L;
   VectorArray<R> u, w, res;
   for (int r = 0; r < R; ++r) u.set(r, hn::Zero(d)), w.set(r, hn::Zero(d));
+  const float* HWY_RESTRICT ke = t.ke.data();
+  const float* HWY_RESTRICT qe = t.qe.data();
+  // Adds vector i of the rows times ke and qe into u and w.
+  const auto sum_vector = [&](int64_t i) HWY_ATTR {
+    const VF kv = hn::LoadU(d, ke + i), qv = hn::LoadU(d, qe + i);
+    for (int r = 0; r < R; ++r) {
+      const VF s = held(load_state(src + (r0 + r) * K + i));
+      if constexpr (kKeep) hn::StoreU(s, d, kept + r * K + i);
+      u.set(r, hn::MulAdd(s, kv, u.get(r)));
+      w.set(r, hn::MulAdd(s, qv, w.get(r)));
+    }
+  };
+  const int64_t line = line_elements<Src>();
   int64_t i = 0;
   if constexpr (kPairs) {
     for (; i + step <= K; i += step) {
-      const VF ke0 = hn::LoadU(d, t.ke.data() + i), qe0 = hn::LoadU(d, t.qe.data() + i);
-      const VF ke1 = hn::LoadU(d, t.ke.data() + i + L), qe1 = hn::LoadU(d, t.qe.data() + i + L);
+      const VF ke0 = hn::LoadU(d, ke + i), qe0 = hn::LoadU(d, qe + i);
+      const VF ke1 = hn::LoadU(d, ke + i + L), qe1 = hn::LoadU(d, qe + i + L);
       for (int r = 0; r < R; ++r) {
         VF s0, s1;
         load_bf16_pair(src + (r0 + r) * K + i, s0, s1);
@@ -430,40 +459,30 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
         w.set(r, hn::MulAdd(s1, qe1, hn::MulAdd(s0, qe0, w.get(r))));
       }
     }
-  }
-  for (; i < K; i += L) {  // a row's last odd vector in pair order; every vector otherwise
-    if (ahead != nullptr) ahead->step();
-    if (next_rows != nullptr && (i * sizeof(Src)) % 64 == 0)  // once per line, whatever L
-      for (int r = 0; r < R; ++r) hwy::Prefetch(next_rows + r * K + i);
-    const VF ke = hn::LoadU(d, t.ke.data() + i), qe = hn::LoadU(d, t.qe.data() + i);
-    for (int r = 0; r < R; ++r) {
-      const VF s = held(load_state(src + (r0 + r) * K + i));
-      if constexpr (kKeep) hn::StoreU(s, d, kept + r * K + i);
-      u.set(r, hn::MulAdd(s, ke, u.get(r)));
-      w.set(r, hn::MulAdd(s, qe, w.get(r)));
+  } else {
+    for (; i + line <= K; i += line) {
+      if (ahead != nullptr) ahead->step();
+      if (next_rows != nullptr)
+        for (int r = 0; r < R; ++r) hwy::Prefetch(next_rows + r * K + i);
+      for (int64_t j = i; j < i + line; j += L) sum_vector(j);
     }
+    if (next_rows != nullptr && i < K)
+      for (int r = 0; r < R; ++r) hwy::Prefetch(next_rows + r * K + i);
+  }
+  for (; i < K; i += L) {  // a row's last odd vector in pair order; the vectors past its lines otherwise
+    if (ahead != nullptr) ahead->step();
+    sum_vector(i);
   }
   for (int r = 0; r < R; ++r) {
     const float x = t.beta * (t.v[r0 + r] - hn::GetLane(hn::SumOfLanes(d, u.get(r))));
     res.set(r, hn::Set(d, x));
     t.o[r0 + r] = scale * (hn::GetLane(hn::SumOfLanes(d, w.get(r))) + t.kq * x);
   }
-  i = 0;
-  if constexpr (kPairs) {
-    for (; i + step <= K; i += step) {
-      const VF e0 = hn::LoadU(d, t.e.data() + i), k0 = hn::LoadU(d, t.k.data() + i);
-      const VF e1 = hn::LoadU(d, t.e.data() + i + L), k1 = hn::LoadU(d, t.k.data() + i + L);
-      for (int r = 0; r < R; ++r) {
-        VF s0, s1;
-        load_bf16_pair(src + (r0 + r) * K + i, s0, s1);
-        store_bf16_pair(hn::MulAdd(s0, e0, hn::Mul(res.get(r), k0)),
-                        hn::MulAdd(s1, e1, hn::Mul(res.get(r), k1)), dst + (r0 + r) * K + i);
-      }
-    }
-  }
-  for (; i < K; i += L) {
-    if (ahead != nullptr) ahead->step();
-    const VF e = hn::LoadU(d, t.e.data() + i), k = hn::LoadU(d, t.k.data() + i);
+  const float* HWY_RESTRICT ev = t.e.data();
+  const float* HWY_RESTRICT kv = t.k.data();
+  // Writes vector i of the rows of S2 = e S1 + k res.
+  const auto update_vector = [&](int64_t i) HWY_ATTR {
+    const VF e = hn::LoadU(d, ev + i), k = hn::LoadU(d, kv + i);
     for (int r = 0; r < R; ++r) {
       VF s;
       if constexpr (kKeep)
@@ -472,11 +491,33 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
         s = load_state(src + (r0 + r) * K + i);
       store_state(hn::MulAdd(s, e, hn::Mul(res.get(r), k)), dst + (r0 + r) * K + i);
     }
+  };
+  i = 0;
+  if constexpr (kPairs) {
+    for (; i + step <= K; i += step) {
+      const VF e0 = hn::LoadU(d, ev + i), k0 = hn::LoadU(d, kv + i);
+      const VF e1 = hn::LoadU(d, ev + i + L), k1 = hn::LoadU(d, kv + i + L);
+      for (int r = 0; r < R; ++r) {
+        VF s0, s1;
+        load_bf16_pair(src + (r0 + r) * K + i, s0, s1);
+        store_bf16_pair(hn::MulAdd(s0, e0, hn::Mul(res.get(r), k0)),
+                        hn::MulAdd(s1, e1, hn::Mul(res.get(r), k1)), dst + (r0 + r) * K + i);
+      }
+    }
+  } else {
+    for (; i + line <= K; i += line) {
+      if (ahead != nullptr) ahead->step();
+      for (int64_t j = i; j < i + line; j += L) update_vector(j);
+    }
+  }
+  for (; i < K; i += L) {
+    if (ahead != nullptr) ahead->step();
+    update_vector(i);
   }
 }
 
 // The whole step on a V-first [V][K] state: rows four at a time, each row self-contained. An fp32
-// state's step requests each group's successor toward L1 a column at a time while the group is
+// state's step requests each group's successor toward L1 a line at a time while the group is
 // summed (one burst of 32 requests held up the core), and the next state toward L2
 // (NextStateToL2). A bf16 one prefetches kPrefetchBytes ahead toward L1, on into the next state's
 // first rows: its rows are bound by instructions, and the L2 requests cost it 12% at 32 x 32 heads
@@ -487,7 +528,9 @@ void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, 
                   const NextState& next) {
   constexpr int R = 4;
   constexpr bool kToL2 = std::is_same_v<Src, float>;
-  NextStateToL2 to_l2(next, 2 * (K / lanes()) * (V / R + V % R));
+  // A share per line of each pass (and per vector past a row's last whole line).
+  const int64_t line = line_elements<Src>();
+  NextStateToL2 to_l2(next, 2 * (K / line + K % line / lanes()) * (V / R + V % R));
   NextStateToL2* ahead = kToL2 ? &to_l2 : nullptr;
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
