@@ -726,16 +726,22 @@ void load_slot_token(const core::Plan& plan, const ForwardInputs& fwd, const cor
 }
 
 struct DecodeWork {
-  int64_t Kp, Vp;
+  int64_t K, V, Kp, Vp;
+  Buffer<float> scratch;  // K-first: k^T S1 (Vp); V-first slot steps from bf16: 4 rows (4 Kp)
+  SlotToken slot;         // a slot step's token
+  // The token kernels' memory, made only for a call with an item that runs them (make_token_rows,
+  // before any item, so that running out of memory writes nothing): a call of slot steps only, the
+  // usual one, never touches it, and clearing its ~230 KiB (K = V = 128) on every call took most of
+  // the ~4 us that a call cost beyond its heads.
   Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
   Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
-  Buffer<float> scratch;              // K-first: k^T S1 (Vp); V-first slot steps from bf16: 4 rows (4 Kp)
-  SlotToken slot;                     // a slot step's token
-  DecodeWork(int64_t K, int64_t V) : Kp(padded(K)), Vp(padded(V)), slot(Kp, Vp) {
+  DecodeWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), slot(Kp, Vp) {
+    scratch.reset(static_cast<size_t>(std::max(Vp, 4 * Kp)));
+  }
+  void make_token_rows() {
     S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
     q.reset(kTokens * Kp), k.reset(kTokens * Kp), e.reset(kTokens * Kp), v.reset(kTokens * Vp);
     o.reset(kTokens * Vp), beta.reset(kTokens);
-    scratch.reset(static_cast<size_t>(std::max(Vp, 4 * Kp)));
   }
 };
 
@@ -847,18 +853,27 @@ void prefetch_token_rows(const core::Plan& plan, const ForwardInputs& in, int64_
   row(in.beta, hv, 1);
 }
 
-// Runs item (n, hv) if it is a slot step (see "one token from a slot to a slot"): one token from
-// its state's slot to a stored state, rows of whole vectors. Returns false, having done nothing,
+// The state that request n's first token is stored into.
+const core::StateRef& first_stored_state(const core::Plan& plan, int64_t n) {
+  return plan.decode_columns > 1 ? plan.token_states[static_cast<size_t>(n * plan.decode_columns)]
+                                 : plan.final[n];
+}
+
+// Whether request n's step is a slot step (see "one token from a slot to a slot"): one token from
+// its state's slot to a stored state, rows of whole vectors.
+bool is_slot_step(const core::Plan& plan, int64_t n) {
+  if (plan.sequences[n].length != 1 || (!plan.padding.empty() && plan.padding[n])) return false;
+  return plan.initial[n] && first_stored_state(plan, n) && state_row_length(plan) % lanes() == 0;
+}
+
+// Runs item (n, hv) if it is a slot step (is_slot_step). Returns false, having done nothing,
 // otherwise.
 bool run_slot_step(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, int64_t n,
                    int64_t hv, DecodeWork& w, const NextState& next) {
+  if (!is_slot_step(plan, n)) return false;
   const core::Sequence& seq = plan.sequences[n];
-  if (seq.length != 1 || (!plan.padding.empty() && plan.padding[n])) return false;
   const core::StateRef& initial = plan.initial[n];
-  const core::StateRef& stored = plan.decode_columns > 1
-                                     ? plan.token_states[static_cast<size_t>(n * plan.decode_columns)]
-                                     : plan.final[n];
-  if (!initial || !stored || state_row_length(plan) % lanes() != 0) return false;
+  const core::StateRef& stored = first_stored_state(plan, n);
   SlotToken& t = w.slot;
   load_slot_token(plan, in.fwd, seq, hv, t);
   const core::StateRef src = head_state(plan, initial, hv), dst = head_state(plan, stored, hv);
@@ -922,6 +937,11 @@ void ConvertRowInPairs(const float* x, int64_t n, uint16_t* bf16, float* widened
 void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
+  for (int64_t n = 0; n < plan.num_sequences(); ++n) {
+    if (is_slot_step(plan, n)) continue;
+    run.prepare(work, [](DecodeWork& w) { w.make_token_rows(); });
+    break;
+  }
   // Each worker takes a contiguous share of the (request, head) items, so that it knows what it reads
   // next: the next item's token rows and state are prefetched (NextState).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
