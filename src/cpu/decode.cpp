@@ -937,11 +937,9 @@ void ConvertRowInPairs(const float* x, int64_t n, uint16_t* bf16, float* widened
 void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
-  for (int64_t n = 0; n < plan.num_sequences(); ++n) {
-    if (is_slot_step(plan, n)) continue;
-    run.prepare(work, [](DecodeWork& w) { w.make_token_rows(); });
-    break;
-  }
+  bool token_items = false;
+  for (int64_t n = 0; n < plan.num_sequences() && !token_items; ++n) token_items = !is_slot_step(plan, n);
+  if (token_items) run.prepare(work, [](DecodeWork& w) { w.make_token_rows(); });
   // Each worker takes a contiguous share of the (request, head) items, so that it knows what it reads
   // next: the next item's token rows and state are prefetched (NextState).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
