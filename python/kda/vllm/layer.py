@@ -6,9 +6,9 @@ gated output norm (vLLM's native torch form runs on the CPU) and the output proj
 ``_forward`` (the core vLLM's layer runs with Triton kernels) reads vLLM's GDN attention metadata
 and runs, per batch:
 
-- the short convolution with vLLM's own CPU ops (``causal_conv1d_fn`` for prefill rows,
-  ``causal_conv1d_update`` for plain decode rows) on the packed q/k/v conv state; speculative rows
-  roll the wide conv buffer by their accepted-token count (a few torch ops per row);
+- the short convolution (:mod:`kda.vllm.conv`) with vLLM's own CPU ops (prefill and plain decode
+  rows: its C++ ops in bf16 where the CPU has them, else its torch-level ops) on the packed q/k/v
+  conv state; speculative rows roll the wide conv buffer by their accepted-token count;
 - prefill and chunked-prefill continuation rows (and, in a batch with prefills, its decode rows):
   kda's pooled ``chunk_kda`` straight on vLLM's pool (``ssm_state_indices``, ``has_initial_state``);
 - plain decode rows: kda's in-place ``fused_recurrent_kda_fwd`` on the pool (``[N]`` indices);
@@ -27,13 +27,9 @@ import torch
 import kda
 
 from . import counts
+from .conv import ShortConvolution, kda_slots, native_ops
 
-__all__ = ["KdaKimiDeltaAttention", "register_layers"]
-
-
-def _slots(indices):
-    """vLLM's state indices as kda's: the null block (0) and padding (-1) become -1."""
-    return torch.where(indices > 0, indices, torch.full_like(indices, -1))
+__all__ = ["KdaKimiDeltaAttention", "register_layers", "serve_step"]
 
 
 def _heads(x, head_dim):
@@ -41,49 +37,120 @@ def _heads(x, head_dim):
     return x.unflatten(-1, (-1, head_dim)).unsqueeze(0)
 
 
-def _spec_conv(x, conv_buf, weight, query_start_loc, first_slots, accepted, width):
-    """The short convolution of speculative rows on the wide conv buffer (``[slots, dim, L]``,
-    ``L = width - 1 + S``): row n's context is the ``width - 1`` inputs from column
-    ``accepted[n] - 1`` on; after it, the buffer holds its history from the second input on (so that
-    the next step, having accepted a tokens, finds the inputs before its first token at a - 1)."""
-    out = torch.empty_like(x)
-    L = conv_buf.shape[-1]
-    w = weight.to(conv_buf.dtype).unsqueeze(1)
-    starts = query_start_loc.tolist()
-    slots = first_slots.tolist()
-    acc = accepted.tolist()
-    for n, slot in enumerate(slots):
-        bos, eos = starts[n], starts[n + 1]
-        if eos == bos or slot <= 0:
-            continue
-        buf = conv_buf[slot]
-        seq = x[bos:eos].t().to(buf.dtype)
-        offset = acc[n] - 1
-        history = torch.cat([buf[:, offset : offset + width - 1], seq], dim=-1)
-        y = torch.nn.functional.conv1d(history.unsqueeze(0), w, groups=seq.shape[0])[0]
-        out[bos:eos] = torch.nn.functional.silu(y).t().to(out.dtype)
-        kept = history[:, 1 : 1 + L]
-        buf[:, : kept.shape[-1]].copy_(kept)
-    return out
+def serve_step(layer, m, mixed_qkv, g1, beta, core_attn_out):
+    """One step of a KDA layer on vLLM's GDN metadata ``m``: the short convolution, then kda on the
+    pool, rows as the module's docstring says. ``layer`` has ``kv_cache`` (conv state, pool),
+    ``short_conv`` (:class:`kda.vllm.conv.ShortConvolution`), ``head_dim``,
+    ``local_projection_size`` and ``kda_options`` (a dict); tests call this with the tensors vLLM builds.
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    n = m.num_actual_tokens
+    mixed_qkv, g1, beta = mixed_qkv[:n], g1[:, :n], beta[:, :n]
+    conv_state, pool = layer.kv_cache
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)  # [slots, dim, L] either way
+    conv = layer.short_conv
+    D = layer.head_dim
+    options = layer.kda_options
+
+    def split(x):
+        return x.split(layer.local_projection_size, dim=-1)
+
+    spec = m.spec_sequence_masks is not None
+    only_spec = spec and m.num_prefills == 0 and m.num_decodes == 0
+    if not spec:
+        qkv_ns, g_ns, b_ns = mixed_qkv, g1, beta
+    elif not only_spec:
+        ns = m.non_spec_token_indx
+        qkv_ns, g_ns, b_ns = mixed_qkv.index_select(0, ns), g1.index_select(1, ns), beta.index_select(1, ns)
+
+    out_spec = out_ns = None
+    if spec:
+        if only_spec:
+            qkv_s, g_s, b_s = mixed_qkv, g1, beta
+        else:
+            si = m.spec_token_indx
+            qkv_s, g_s, b_s = mixed_qkv.index_select(0, si), g1.index_select(1, si), beta.index_select(1, si)
+        num = m.num_spec_decodes
+        table = m.spec_state_indices_tensor[:num]
+        accepted = m.num_accepted_tokens[:num]
+        qsl = m.spec_query_start_loc[: num + 1]
+        fresh = getattr(m, "kda_spec_fresh", None)
+        if fresh is not None and bool(fresh.any()):
+            counts["fresh"] += 1
+            # A request whose first step is a speculative row (a one-token prompt): its slots were
+            # recycled, so it starts from zeros, as a prefill row does.
+            start = table[fresh].gather(1, (accepted[fresh].long() - 1).view(-1, 1)).view(-1)
+            pool[start[start > 0].long()] = 0
+            first = table[fresh, 0]
+            conv_state[first[first > 0].long()] = 0
+        x = conv.speculative(qkv_s, conv_state, qsl, table[:, 0], accepted)
+        q, k, v = (_heads(t, D) for t in split(x))
+        out_spec, _ = kda.fused_recurrent_kda_fwd(
+            q,
+            k,
+            v,
+            g_s,
+            b_s,
+            initial_state=pool,
+            cu_seqlens=qsl,
+            ssm_state_indices=kda_slots(table),
+            num_accepted_tokens=accepted,
+            **options,
+        )
+        counts["spec"] += 1
+
+    if not only_spec:
+        native_before = conv.native_calls
+        indices = m.non_spec_state_indices_tensor
+        if m.num_prefills > 0:
+            qsl = m.non_spec_query_start_loc
+            rows = qsl.shape[0] - 1
+            indices, has_initial_state = indices[:rows], m.has_initial_state[:rows]
+            x = conv.prefill(qkv_ns, conv_state, qsl, indices, has_initial_state)
+            q, k, v = (_heads(t, D) for t in split(x))
+            out_ns, _ = kda.chunk_kda(
+                q,
+                k,
+                v,
+                g_ns,
+                b_ns,
+                initial_state=pool,
+                cu_seqlens=qsl,
+                ssm_state_indices=kda_slots(indices),
+                has_initial_state=has_initial_state,
+                **options,
+            )
+            counts["prefill"] += 1
+        else:
+            indices = indices[: qkv_ns.shape[0]]
+            x = conv.decode(qkv_ns, conv_state, indices)
+            q, k, v = (t.unflatten(-1, (-1, D)).unsqueeze(1) for t in split(x))
+            out_ns, _ = kda.fused_recurrent_kda_fwd(
+                q,
+                k,
+                v,
+                g_ns.transpose(0, 1),
+                b_ns.transpose(0, 1),
+                initial_state=pool,
+                ssm_state_indices=kda_slots(indices),
+                **options,
+            )
+            out_ns = out_ns.transpose(0, 1)
+            counts["decode"] += 1
+        counts["native_conv"] += conv.native_calls - native_before
+
+    if out_spec is not None and out_ns is not None:
+        core_attn_out[0, :n].index_copy_(0, m.spec_token_indx, out_spec[0])
+        core_attn_out[0, :n].index_copy_(0, m.non_spec_token_indx, out_ns[0])
+    else:
+        core_attn_out[0, :n] = (out_ns if out_spec is None else out_spec)[0, :n]
 
 
 def _make_layer_class():
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (
-        causal_conv1d_fn_cpu,
-        causal_conv1d_update_cpu,
-    )
-    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (
-        _causal_conv1d_fwd_cpu as native_conv_prefill,
-    )
-    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (
-        _causal_conv1d_update_cpu as native_conv_decode,
-    )
-    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
-
-    native_conv_cpu = torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
 
     class KdaKimiDeltaAttention(KimiGatedDeltaNetAttention):
         """Kimi Linear's KDA layer, its core on kda (see the module's docstring)."""
@@ -94,43 +161,22 @@ def _make_layer_class():
             super().__init__(*args, **kwargs)
             # Kimi's MLA module, imported only once a model is built (see kda.vllm.mends)
             mends.apply_model_mends(args[1] if len(args) > 1 else kwargs.get("vllm_config"))
-            self._kda_native_conv_weight = None
-            # The packed copy is made from the loaded weight on first use; a later load (vLLM's
-            # reload_weights, an RL weight update) goes through the parameter's weight_loader, which
-            # then drops the copy so that the next step packs the new weight.
+            self.short_conv = ShortConvolution(self.conv1d, native_ops())
+            # The packed conv weight is made from the loaded weight on first use; a later load
+            # (vLLM's reload_weights, an RL weight update) goes through the parameter's
+            # weight_loader, which then drops the packed copy so that the next step packs the new one.
             weight = self.conv1d.weight
             loader = weight.weight_loader
 
             def reloading_loader(*a, **k):
-                self._kda_native_conv_weight = None
+                self.short_conv.weight_changed()
                 return loader(*a, **k)
 
             weight.weight_loader = reloading_loader
 
-        def _native_conv_weight(self, x):
-            """The conv weight packed for vLLM's C++ short convolution, or None where that op does
-            not serve this step (then vLLM's torch-level CPU ops run).
-
-            vLLM's GDN layers run their short convolution with C++ ops (``causal_conv1d_fwd_cpu``,
-            ``causal_conv1d_update_cpu``: bf16 activations, a packed bf16 weight) on CPUs with
-            AVX-512 BF16 (or Arm with BF16): 36x faster than the torch loop at a 512-token prefill
-            and 17x at a one-token decode step, measured at this layer's 3 x 4096 channels. Kimi's
-            layer keeps its conv weight in float32 (so vLLM never packs it) and its torch path is
-            all Kimi gets. In a bf16 engine the activations entering and leaving the convolution are
-            bf16 already; rounding the weight to bf16 as well adds one more rounding of the same
-            size (the test's bf16 budget counts it), and the float32 engine keeps the torch ops.
-            """
-            if not native_conv_cpu or x.dtype != torch.bfloat16 or self.conv1d.weight.shape[-1] != 4:
-                return None
-            if self._kda_native_conv_weight is None:
-                from vllm import _custom_ops as ops
-
-                w = self.conv1d.weight
-                unpacked = w.detach().view(w.shape[0], w.shape[-1]).to(torch.bfloat16).contiguous()
-                self._kda_native_conv_weight = ops.causal_conv1d_weight_pack(unpacked)
-            return self._kda_native_conv_weight
-
-        def _kda_options(self):
+        @property
+        def kda_options(self):
+            """kda's options for this layer: Kimi's gate, beta and q/k norm fused, vLLM's V-first pool."""
             return dict(
                 A_log=self.A_log,
                 dt_bias=self.dt_bias,
@@ -149,166 +195,9 @@ def _make_layer_class():
             if m is None:  # profile / warm-up runs carry no metadata for mamba-family layers
                 return
             with torch.inference_mode():
-                self._core(m, mixed_qkv, g1, beta, core_attn_out)
+                serve_step(self, m, mixed_qkv, g1, beta, core_attn_out)
             # The gated output norm (sigmoid gate g2), in vLLM's torch form.
             core_attn_out.copy_(self.o_norm(core_attn_out, g2))
-
-        def _core(self, m, mixed_qkv, g1, beta, core_attn_out):
-            n = m.num_actual_tokens
-            mixed_qkv, g1, beta = mixed_qkv[:n], g1[:, :n], beta[:, :n]
-            conv_state, pool = self.kv_cache
-            if not is_conv_state_dim_first():
-                conv_state = conv_state.transpose(-1, -2)  # [slots, dim, L] either way
-            width = self.conv1d.weight.shape[-1]
-            weight = self.conv1d.weight.view(self.conv1d.weight.shape[0], width)
-            D = self.head_dim
-            options = self._kda_options()
-
-            spec = m.spec_sequence_masks is not None
-            only_spec = spec and m.num_prefills == 0 and m.num_decodes == 0
-            if not spec:
-                qkv_ns, g_ns, b_ns = mixed_qkv, g1, beta
-            elif not only_spec:
-                ns = m.non_spec_token_indx
-                qkv_ns, g_ns, b_ns = (
-                    mixed_qkv.index_select(0, ns),
-                    g1.index_select(1, ns),
-                    beta.index_select(1, ns),
-                )
-
-            out_spec = out_ns = None
-            if spec:
-                if only_spec:
-                    qkv_s, g_s, b_s = mixed_qkv, g1, beta
-                else:
-                    si = m.spec_token_indx
-                    qkv_s, g_s, b_s = (
-                        mixed_qkv.index_select(0, si),
-                        g1.index_select(1, si),
-                        beta.index_select(1, si),
-                    )
-                num = m.num_spec_decodes
-                table = m.spec_state_indices_tensor[:num]
-                accepted = m.num_accepted_tokens[:num]
-                qsl = m.spec_query_start_loc[: num + 1]
-                fresh = getattr(m, "kda_spec_fresh", None)
-                if fresh is not None and bool(fresh.any()):
-                    counts["fresh"] += 1
-                    # A request whose first step is a speculative row (a one-token prompt): its slots
-                    # were recycled, so it starts from zeros, as a prefill row does.
-                    start = table[fresh].gather(1, (accepted[fresh].long() - 1).view(-1, 1)).view(-1)
-                    start = start[start > 0].long()
-                    pool[start] = 0
-                    first = table[fresh, 0]
-                    conv_state[first[first > 0].long()] = 0
-                x = _spec_conv(qkv_s, conv_state, weight, qsl, table[:, 0], accepted, width)
-                q, k, v = (_heads(t, D) for t in x.split(self.local_projection_size, dim=-1))
-                out_spec, _ = kda.fused_recurrent_kda_fwd(
-                    q,
-                    k,
-                    v,
-                    g_s,
-                    b_s,
-                    initial_state=pool,
-                    cu_seqlens=qsl,
-                    ssm_state_indices=_slots(table),
-                    num_accepted_tokens=accepted,
-                    **options,
-                )
-                counts["spec"] += 1
-
-            if not only_spec:
-                native = self._native_conv_weight(qkv_ns)
-                if native is not None:
-                    counts["native_conv"] += 1
-                indices = m.non_spec_state_indices_tensor
-                if m.num_prefills > 0:
-                    qsl = m.non_spec_query_start_loc
-                    rows = qsl.shape[0] - 1
-                    indices = indices[:rows]
-                    if native is not None:
-                        x = native_conv_prefill(
-                            x=qkv_ns.contiguous().t(),  # the op reads a transposed [T, dim] tensor
-                            weight=native,
-                            bias=self.conv1d.bias,
-                            conv_states=conv_state,
-                            query_start_loc=qsl,
-                            # vLLM's own indices, as its GDN layers pass them: a padding row's
-                            # block 0 is vLLM's null block, scratch that no request reads
-                            cache_indices=indices,
-                            has_initial_state=m.has_initial_state[:rows],
-                            silu_activation=True,
-                            is_weight_packed=True,
-                        ).t()
-                    else:
-                        x = causal_conv1d_fn_cpu(
-                            qkv_ns.t(),
-                            weight,
-                            self.conv1d.bias,
-                            conv_state,
-                            qsl,
-                            cache_indices=_slots(indices),
-                            has_initial_state=m.has_initial_state[:rows],
-                            activation="silu",
-                        ).t()
-                    q, k, v = (_heads(t, D) for t in x.split(self.local_projection_size, dim=-1))
-                    out_ns, _ = kda.chunk_kda(
-                        q,
-                        k,
-                        v,
-                        g_ns,
-                        b_ns,
-                        initial_state=pool,
-                        cu_seqlens=qsl,
-                        ssm_state_indices=_slots(indices),
-                        has_initial_state=m.has_initial_state[:rows],
-                        **options,
-                    )
-                    counts["prefill"] += 1
-                else:
-                    rows = qkv_ns.shape[0]
-                    indices = indices[:rows]
-                    if native is not None:
-                        x = native_conv_decode(
-                            x=qkv_ns.contiguous(),
-                            conv_states=conv_state[:, :, : width - 1],
-                            weight=native,
-                            bias=self.conv1d.bias,
-                            silu_activation=True,
-                            conv_state_indices=indices,
-                            is_weight_packed=True,
-                        )
-                    else:
-                        x = causal_conv1d_update_cpu(
-                            qkv_ns,
-                            conv_state[:, :, : width - 1],
-                            weight,
-                            self.conv1d.bias,
-                            activation="silu",
-                            conv_state_indices=indices,
-                        )
-                    q, k, v = (
-                        t.unflatten(-1, (-1, D)).unsqueeze(1)
-                        for t in x.split(self.local_projection_size, dim=-1)
-                    )
-                    out_ns, _ = kda.fused_recurrent_kda_fwd(
-                        q,
-                        k,
-                        v,
-                        g_ns.transpose(0, 1),
-                        b_ns.transpose(0, 1),
-                        initial_state=pool,
-                        ssm_state_indices=_slots(indices),
-                        **options,
-                    )
-                    out_ns = out_ns.transpose(0, 1)
-                    counts["decode"] += 1
-
-            if out_spec is not None and out_ns is not None:
-                core_attn_out[0, :n].index_copy_(0, m.spec_token_indx, out_spec[0])
-                core_attn_out[0, :n].index_copy_(0, m.non_spec_token_indx, out_ns[0])
-            else:
-                core_attn_out[0, :n] = (out_ns if out_spec is None else out_spec)[0, :n]
 
     return KdaKimiDeltaAttention
 
