@@ -6,8 +6,9 @@ steps, so that they prefill while the batch decodes: mixed batches), ``warm`` (p
 first, so that later requests get recycled state slots) and ``max_tokens``. Prints, per request, its
 token ids and the log-probability of each generated token, and kda's counts.
 
-``python engine_run.py reference CHECKPOINT JSON``: JSON is a list of token-id sequences; prints the
-log-probability transformers' float32 model gives each token after the first (teacher forcing).
+``python engine_run.py reference CHECKPOINT JSON``: JSON is a list of token-id sequences; prints, per
+sequence, the log-probability transformers' float32 model gives each token after the first (teacher
+forcing) and the largest log-probability at each of those positions.
 
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that kda's counters are this
 process's; the reference runs in another process because vLLM registers its own Kimi Linear config
@@ -76,6 +77,9 @@ def engine(checkpoint, spec):
 
 
 def reference(checkpoint, sequences):
+    """Per sequence: ``logprobs`` (transformers' float32 log-probability of each token after the first,
+    teacher-forced) and ``top`` (the largest log-probability at each of those positions: a greedy
+    token is right when its own is within rounding of it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,8 +87,9 @@ def reference(checkpoint, sequences):
     out = []
     with torch.no_grad():
         for ids in sequences:
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-            out.append([logp[t - 1, ids[t]].item() for t in range(1, len(ids))])
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)[:-1]
+            chosen = logp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1)
+            out.append({"logprobs": chosen.tolist(), "top": logp.max(-1).values.tolist()})
     return out
 
 

@@ -84,7 +84,7 @@ def _compare(checkpoint, run, tol):
     worst = 0.0
     for r, ref in zip(results, reference, strict=True):
         assert r["logprobs"], f"{r['name']} generated nothing"
-        ref = ref[-len(r["logprobs"]) :]
+        ref = ref["logprobs"][-len(r["logprobs"]) :]
         errors = [abs(a - b) for a, b in zip(r["logprobs"], ref, strict=True)]
         assert max(errors) <= tol, f"{r['name']}: log-probability errors {errors} (tolerance {tol})"
         worst = max(worst, *errors)
