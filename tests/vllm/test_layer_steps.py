@@ -24,7 +24,7 @@ sys.path.insert(0, HERE)
 pytest.importorskip("vllm")
 
 from kda.vllm import conv  # noqa: E402
-from kda.vllm.layer import serve_step  # noqa: E402
+from kda.vllm.layer import check_served, serve_step  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
 H, D = 2, 32  # heads and head dim of the tiny checkpoint (tiny_kimi.py)
@@ -204,3 +204,10 @@ def test_dense_helpers_copy_only_where_needed():
     assert conv.dense_indices(table[:, 0]).is_contiguous()
     row = table[0]
     assert conv.dense_indices(row) is row
+
+
+def test_check_served_names_the_layer_and_the_limit():
+    options = make_layer(None, torch.float32).kda_options
+    check_served(H, D, "model.layers.0.self_attn", options)  # the tiny checkpoint's shapes: served
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn \(2 heads of dimension 512\).*256"):
+        check_served(H, 512, "model.layers.0.self_attn", options)

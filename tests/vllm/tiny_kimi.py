@@ -19,8 +19,9 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 VOCAB = 128
 
 
-def config_dict():
-    return {
+def config_dict(**linear_attn):
+    """The checkpoint's config; keyword arguments replace entries of its ``linear_attn_config``."""
+    config = {
         "architectures": ["KimiLinearForCausalLM"],
         "model_type": "kimi_linear",
         "vocab_size": VOCAB,
@@ -65,6 +66,8 @@ def config_dict():
             "short_conv_kernel_size": 4,
         },
     }
+    config["linear_attn_config"].update(linear_attn)
+    return config
 
 
 def write_tokenizer(path):
@@ -85,8 +88,9 @@ def write_tokenizer(path):
     fast.save_pretrained(path)
 
 
-def write_checkpoint(path, seed=0):
-    """Writes the checkpoint to ``path`` (once: a finished folder is reused) and returns ``path``."""
+def write_checkpoint(path, seed=0, **linear_attn):
+    """Writes the checkpoint to ``path`` (once: a finished folder is reused) and returns ``path``;
+    keyword arguments replace entries of the config's ``linear_attn_config`` (``head_dim=512``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -94,7 +98,7 @@ def write_checkpoint(path, seed=0):
         return path
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_dict(), f, indent=1)
+        json.dump(config_dict(**linear_attn), f, indent=1)
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -119,7 +123,7 @@ def write_checkpoint(path, seed=0):
     model.save_pretrained(path)
     _rename_dense_mlp(path)
     with open(os.path.join(path, "config.json"), "w") as f:  # the checkpoint's own config, as written
-        json.dump(config_dict(), f, indent=1)
+        json.dump(config_dict(**linear_attn), f, indent=1)
     write_tokenizer(path)
     open(os.path.join(path, "done"), "w").close()
     return path

@@ -29,12 +29,38 @@ import kda
 from . import counts
 from .conv import ShortConvolution, kda_slots, native_ops
 
-__all__ = ["KdaKimiDeltaAttention", "register_layers", "serve_step"]
+__all__ = ["KdaKimiDeltaAttention", "check_served", "register_layers", "serve_step"]
 
 
 def _heads(x, head_dim):
     """``[T, H * D]`` -> ``[1, T, H, D]`` (a view)."""
     return x.unflatten(-1, (-1, head_dim)).unsqueeze(0)
+
+
+def check_served(heads, head_dim, prefix, options):
+    """Raises a ValueError naming the layer when kda does not serve its shapes, so that the engine
+    refuses the model when it is built instead of failing every request (the server died at its
+    first request). kda's own validation decides: one token through a two-slot pool, all zeros."""
+    zeros = torch.zeros(1, 1, heads, head_dim)
+    pool = torch.zeros(2, heads, head_dim, head_dim)
+    probe = dict(options, A_log=torch.zeros(heads), dt_bias=torch.zeros(heads * head_dim))
+    try:
+        with torch.inference_mode():
+            kda.fused_recurrent_kda_fwd(
+                zeros,
+                zeros,
+                zeros,
+                zeros,
+                zeros[..., 0],
+                initial_state=pool,
+                ssm_state_indices=torch.tensor([1]),
+                **probe,
+            )
+    except (AssertionError, ValueError, NotImplementedError, TypeError) as error:
+        raise ValueError(
+            f"kda.vllm: the KDA layer {prefix} ({heads} heads of dimension {head_dim}) cannot run on kda: "
+            f"{error}"
+        ) from None
 
 
 def serve_step(layer, m, mixed_qkv, g1, beta, core_attn_out):
@@ -161,6 +187,7 @@ def _make_layer_class():
             super().__init__(*args, **kwargs)
             # Kimi's MLA module, imported only once a model is built (see kda.vllm.mends)
             mends.apply_model_mends(args[1] if len(args) > 1 else kwargs.get("vllm_config"))
+            check_served(self.local_num_heads, self.head_dim, self.prefix, self.kda_options)
             self.short_conv = ShortConvolution(self.conv1d, native_ops())
             # The packed conv weight is made from the loaded weight on first use; a later load
             # (vLLM's reload_weights, an RL weight update) goes through the parameter's

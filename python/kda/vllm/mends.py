@@ -13,15 +13,26 @@ def apply_process_mends():
     # is nothing to fuse; a value the user set is kept.
     os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
     _mla_block_sizes()
-    _amx_mla_for_bf16_only()
+    _cpu_platform_config()
 
 
-def _amx_mla_for_bf16_only():
-    # On CPUs with AMX tiles vLLM 0.32.0 prefers its AMX MLA backend (CpuPlatform.
-    # get_attn_backend_cls) whatever the engine's dtype, but that backend's kernels take bf16 only
-    # (AMXMLABackend.supported_dtypes): a float32 engine stops at its first decode step in
-    # decode_attention_cpu ("not implemented for 'Float'"). For an MLA model in another dtype, with
-    # no backend chosen by the user, the reference CPU MLA backend is chosen, as on CPUs without AMX.
+def _cpu_platform_config():
+    # Two mends around vLLM 0.32.0's CpuPlatform.check_and_update_config (each: what, why).
+    #
+    # AMX MLA for bf16 only: on CPUs with AMX tiles vLLM prefers its AMX MLA backend
+    # (CpuPlatform.get_attn_backend_cls) whatever the engine's dtype, but that backend's kernels take
+    # bf16 only (AMXMLABackend.supported_dtypes): a float32 engine stops at its first decode step in
+    # decode_attention_cpu ("not implemented for 'Float'"). For an MLA model in another dtype, with no
+    # backend chosen by the user, the reference CPU MLA backend is chosen, as on CPUs without AMX.
+    #
+    # Whole prompts under speculative decoding: where MLA runs on that reference backend (float32
+    # engines; every engine on CPUs without AMX), the platform turns chunked prefill off and raises
+    # max_num_batched_tokens to max(max_model_len, 2048), so that any prompt fits one step. But
+    # VllmConfig set max_num_scheduled_tokens (the scheduler's real budget under speculative decoding)
+    # from the old max_num_batched_tokens before the platform ran, and leaves it. A prompt longer than
+    # that budget is then never scheduled: the scheduler stops at it every step, so the request and
+    # every request queued behind it wait forever (a float32 engine with --max-num-batched-tokens 128
+    # and a 129-token prompt). Mend: raise the budget to the new max_num_batched_tokens.
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -39,9 +50,14 @@ def _amx_mla_for_bf16_only():
             and attention.backend is None
         ):
             attention.backend = AttentionBackendEnum.CPU_MLA
-        return original(cls, vllm_config)
+        original(cls, vllm_config)
+        scheduler = vllm_config.scheduler_config
+        budget = scheduler.max_num_scheduled_tokens
+        if not scheduler.enable_chunked_prefill and budget is not None:
+            scheduler.max_num_scheduled_tokens = max(budget, scheduler.max_num_batched_tokens)
 
     check_and_update_config._kda_mend = True
+    check_and_update_config.__wrapped__ = original
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
