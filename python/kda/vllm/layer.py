@@ -201,6 +201,18 @@ def _make_layer_class():
 
             weight.weight_loader = reloading_loader
 
+        def get_state_dtype(self):
+            """The conv state in the cache dtype, the recurrent pool in ``mamba_ssm_cache_dtype``
+            (float32 by default, or bfloat16). vLLM 0.32.0's layer drops the latter (it passes only the
+            cache dtype, so the pool stayed float32 whatever was asked), while its model class sizes
+            the cache pages with it; kda reads and writes either pool dtype in place."""
+            from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+            cache = self.cache_config
+            return MambaStateDtypeCalculator.kda_state_dtype(
+                self.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+            )
+
         @property
         def kda_options(self):
             """kda's options for this layer: Kimi's gate, beta and q/k norm fused, vLLM's V-first pool."""

@@ -17,7 +17,7 @@ def apply_process_mends():
 
 
 def _cpu_platform_config():
-    # Two mends around vLLM 0.32.0's CpuPlatform.check_and_update_config (each: what, why).
+    # Three mends around vLLM 0.32.0's CpuPlatform.check_and_update_config (each: what, why).
     #
     # AMX MLA for bf16 only: on CPUs with AMX tiles vLLM prefers its AMX MLA backend
     # (CpuPlatform.get_attn_backend_cls) whatever the engine's dtype, but that backend's kernels take
@@ -33,6 +33,12 @@ def _cpu_platform_config():
     # that budget is then never scheduled: the scheduler stops at it every step, so the request and
     # every request queued behind it wait forever (a float32 engine with --max-num-batched-tokens 128
     # and a 129-token prompt). Mend: raise the budget to the new max_num_batched_tokens.
+    #
+    # The bf16 state pool a user asks for: on CPUs with AVX-512 BF16 the platform resets
+    # mamba_ssm_cache_dtype to float32 for every model but its own GDN ones ("Reset SSM cache type to
+    # float32 for accelerated GDN mamba backend 'kimi_linear'"), because its CPU state kernels for other
+    # models take float32. Kimi Linear's KDA layers run on kda, which reads and writes bf16 pools, so
+    # for Kimi Linear a bfloat16 pool asked for is kept (on CPUs without AVX-512 BF16 it always was).
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -50,7 +56,12 @@ def _cpu_platform_config():
             and attention.backend is None
         ):
             attention.backend = AttentionBackendEnum.CPU_MLA
+        cache = vllm_config.cache_config
+        asked = cache.mamba_ssm_cache_dtype
         original(cls, vllm_config)
+        model_type = getattr(getattr(model, "hf_text_config", None), "model_type", None)
+        if asked == "bfloat16" and model_type == "kimi_linear" and cache.mamba_ssm_cache_dtype != asked:
+            cache.mamba_ssm_cache_dtype = asked
         scheduler = vllm_config.scheduler_config
         budget = scheduler.max_num_scheduled_tokens
         if not scheduler.enable_chunked_prefill and budget is not None:
