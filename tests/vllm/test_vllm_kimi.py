@@ -12,11 +12,9 @@ a smooth function of the model's arithmetic. The reference is transformers' Kimi
 import json
 import os
 import platform
-import socket
+import random
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -45,10 +43,26 @@ FP32_TOL = 2e-3
 # bfloat16 engine (vLLM's serving dtype) against the float32 reference: weights and activations are
 # rounded to bf16 (unit roundoff u = 2^-8) at every GEMM input and output along a token's path
 # (~25 roundings through 4 layers), independent errors that add in quadrature: a relative logit error
-# ~u * sqrt(25) = 0.02. A log-probability moves by at most twice the largest logit change, and this
-# checkpoint's logits reach |z| ~ 4-5: 2 * 0.02 * 5 = 0.2, so 0.25. Its attention-free part (the
-# MLPs and the head alone) already differs by 0.03; the full model by up to 0.12.
-BF16_TOL = 0.25
+# ~u * sqrt(25) = 0.02, and a log-probability moves by up to twice the largest logit change times |z|
+# (this checkpoint's logits reach 4-5): ~0.2 typically, more in the tail. Measured on the same tokens,
+# transformers' own bf16 model differs from its float32 model by up to 0.41 (any position, any token of
+# the vocabulary), and rounding only the weights to bf16 moves them by 0.06-0.07 (docs/vllm.md, "bf16
+# log-probabilities"); the engine reached 0.35 on one token of 300 requests. So a token may differ by
+# 0.5; what tells a defect from rounding is the run's RMS error, which must stay within 1.5x that of
+# transformers' own bf16 model on the same tokens (measured: 0.85-1.0x). The float32 engines hold the
+# exactness burden: 2e-3, and 1e-4 against the same request served alone.
+BF16_TOL = 0.5
+BF16_RMS_RATIO = 1.5
+
+# A request against the same request served alone in the same engine. float32: measured < 2.2e-6 (the
+# order of GEMM sums changes with the rows of a step). bf16: a prompt that shares its step with others
+# may be prefilled in other pieces than alone (chunked prefill is on for bf16 engines on AMX CPUs), and
+# vLLM's MLA prefill attends to the cached piece separately and merges the partial results, which
+# rounds differently in bf16 from one causal attention (docs/vllm.md): measured 0.016-0.10, and a
+# near-tie greedy token can flip, after which the two runs are different sequences. Every layer before
+# the MLA attention, kda's included, is bitwise equal; so bf16 is held to its own tolerance up to the
+# first token where the two runs part, and the float32 engines hold the 1e-4.
+SOLO_TOL = {"float32": 1e-4, "bfloat16": BF16_TOL}
 
 PROMPTS = [
     "the cat sat on the mat and then it ran to the park",
@@ -77,136 +91,159 @@ def _run(mode, checkpoint, argument, timeout=600):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def _compare(checkpoint, run, tol):
-    """Every generated token's log-probability against the reference's; returns the largest error."""
+def _rms(xs):
+    return (sum(x * x for x in xs) / len(xs)) ** 0.5
+
+
+def _compare(checkpoint, run, dtype):
+    """Every request's generated tokens against transformers' model on the same tokens, and against the
+    same request served alone where the run has that (``solo``); prints the run's figures."""
     results = run["results"]
-    reference = _run("reference", checkpoint, [r["ids"] for r in results])
-    worst = 0.0
+    bf16 = dtype == "bfloat16"
+    reference = _run("reference", checkpoint, {"sequences": [r["ids"] for r in results], "bf16": bf16})
+    engine_errors, bf16_errors, solo_errors, failures = [], [], [], []
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
     for r, ref in zip(results, reference, strict=True):
-        assert r["logprobs"], f"{r['name']} generated nothing"
-        ref = ref["logprobs"][-len(r["logprobs"]) :]
-        errors = [abs(a - b) for a, b in zip(r["logprobs"], ref, strict=True)]
-        assert max(errors) <= tol, f"{r['name']}: log-probability errors {errors} (tolerance {tol})"
-        worst = max(worst, *errors)
-    return worst
+        n = len(r["logprobs"])
+        assert n, f"{r['name']} generated nothing"
+        fp32, top = ref["logprobs"][-n:], ref["top"][-n:]
+        errors = [abs(a - b) for a, b in zip(r["logprobs"], fp32, strict=True)]
+        if max(errors) > tol:
+            failures.append(f"{r['name']}: log-probability errors {errors} (tolerance {tol})")
+        if dtype == "float32":
+            # greedy: each token is the float32 model's most likely one, up to the engine's rounding
+            gaps = [t - a for a, t in zip(fp32, top, strict=True)]
+            if max(gaps) > 2 * FP32_TOL:
+                failures.append(f"{r['name']}: not the greedy tokens (gaps {gaps})")
+        engine_errors += errors
+        if bf16:
+            bf16_errors += [abs(a - b) for a, b in zip(ref["bf16_logprobs"][-n:], fp32, strict=True)]
+        if "solo_logprobs" in r:
+            served, alone = r["ids"][r["prompt_len"] :], r["solo_ids"][r["prompt_len"] :]
+            same = next(
+                (i for i, (a, b) in enumerate(zip(served, alone, strict=False)) if a != b), len(served)
+            )
+            if dtype == "float32" and (same < len(served) or len(alone) != len(served)):
+                failures.append(f"{r['name']}: other tokens than served alone")
+                continue
+            # up to and including the first token where the runs part (bf16 near-ties)
+            kept = min(same + 1, len(served), len(alone))
+            diffs = [abs(a - b) for a, b in zip(r["logprobs"][:kept], r["solo_logprobs"][:kept], strict=True)]
+            if max(diffs) > SOLO_TOL[dtype]:
+                failures.append(f"{r['name']}: differs from its solo run by {diffs}")
+            solo_errors += diffs
+    figures = {
+        "requests": len(results),
+        "tokens": len(engine_errors),
+        "engine_vs_fp32_max": max(engine_errors),
+        "engine_vs_fp32_rms": _rms(engine_errors),
+        "tf_bf16_vs_fp32_rms": _rms(bf16_errors) if bf16 else None,
+        "batched_vs_solo_max": max(solo_errors, default=None),
+    }
+    print("figures", json.dumps(figures))
+    if (
+        dtype == "bfloat16"
+        and figures["engine_vs_fp32_rms"] > BF16_RMS_RATIO * figures["tf_bf16_vs_fp32_rms"]
+    ):
+        failures.append(f"noisier than the model's own bf16 rounding: {figures}")
+    assert not failures, "\n".join(failures)
+    return figures
 
 
-def test_plain_and_mixed_batches_float32(checkpoint):
-    """A plain batch (four prefills, then four decodes a step), then requests that prefill while the
-    batch decodes (mixed steps: chunk_kda takes their prefill rows and the decode rows together)."""
-    run = _run(
-        "engine",
-        checkpoint,
-        {"llm": {"dtype": "float32"}, "batch": PROMPTS, "later": PROMPTS[:2], "after": 3, "max_tokens": 8},
-    )
-    _compare(checkpoint, run, FP32_TOL)
-    counts = run["counts"]
-    # every KDA layer ran on kda: 3 KDA layers per step, each one kda call validated by the engine
-    assert counts["prefill"] > 0 and counts["decode"] > 0
-    assert counts["validations"] >= counts["prefill"] + counts["decode"] > 0
-    assert counts["native_conv"] == 0  # vLLM's C++ convolution takes bf16 only: the torch ops ran
+def _ids(n, seed):
+    """n token ids of the tokenizer's words (4..127), seeded: prompts of exact lengths."""
+    gen = random.Random(seed)
+    return [gen.randrange(4, tiny_kimi.VOCAB) for _ in range(n)]
 
 
-def test_batch_position_and_bf16(checkpoint):
-    """The serving dtype: within bf16 noise of the float32 reference; and one prompt placed first and
-    third in a batch gets the same log-probabilities (a request's result must not depend on its row:
-    the defect this guards against drifted the first request of a plain batch by 0.07-0.10)."""
-    batch = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
-    run = _run("engine", checkpoint, {"batch": batch, "max_tokens": 8})
-    _compare(checkpoint, run, BF16_TOL)
-    first, third = run["results"][0], run["results"][2]
+MAX_MODEL_LEN = 256
+MAX_TOKENS = 8
+
+
+def _phases(spec):
+    """The batch shapes every engine of the matrix serves, one phase after the other."""
+    repeat = ["the cat the cat the cat the cat", "one two three one two three one"]  # drafts get accepted
+    return [
+        {"name": "lone one-token prompt", "batch": [[tiny_kimi.WORDS.index("the") + 4]]},
+        {"name": "many one-token prompts", "batch": [_ids(1, seed) for seed in range(6)]},
+        # chunk boundaries of kda's chunked prefill (64) and, with max_num_batched_tokens = 128, a
+        # prompt prefilled in two steps (a chunked-prefill continuation row)
+        {"name": "63/64/65/129 tokens", "batch": [_ids(n, n) for n in (63, 64, 65, 129)]},
+        {
+            "name": "prefill and decode rows in one step",
+            "batch": repeat if spec else PROMPTS[:2],
+            "later": [_ids(4, 4), _ids(64, 64), [5]],  # the one-token request: a fresh speculative row
+            "after": 2,
+        },
+        {"name": "one prompt at two batch rows", "batch": [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[2]]},
+        # prompt + generated tokens = max-model-len, and a prompt one short of it (one token generated)
+        {
+            "name": "at max-model-len",
+            "batch": [_ids(MAX_MODEL_LEN - MAX_TOKENS, 7), _ids(MAX_MODEL_LEN - 1, 8)],
+        },
+    ]
+
+
+MATRIX = {
+    # engine dtype, speculative decoding, the KDA state pool's dtype (mamba_ssm_cache_dtype)
+    "float32-plain": ("float32", False, "float32"),
+    "float32-ngram": ("float32", True, "float32"),
+    "bfloat16-plain-bf16pool": ("bfloat16", False, "bfloat16"),
+    "bfloat16-ngram": ("bfloat16", True, "float32"),
+    "bfloat16-ngram-bf16pool": ("bfloat16", True, "bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_serving_matrix(checkpoint, case):
+    """Every batch shape of _phases through one engine, each request compared with transformers'
+    float32 model: float32 engines within FP32_TOL, bf16 engines within BF16_TOL. A speculative engine
+    first serves prompts to the end, so that later requests get recycled state slots (a one-token
+    request then starts as a speculative row on a recycled slot and must start from zeros)."""
+    dtype, spec, pool = MATRIX[case]
+    llm = {"dtype": dtype, "mamba_ssm_cache_dtype": pool, "max_model_len": MAX_MODEL_LEN}
+    llm["max_num_batched_tokens"] = 128
+    phases = _phases(spec)
+    argument = {"llm": llm, "phases": phases, "max_tokens": MAX_TOKENS}
+    if spec:
+        llm["speculative_config"] = SPEC
+        argument["warm"] = ["one two one two one two one two", "a red fish saw two birds"]
+    argument["solo"] = True
+    run = _run("engine", checkpoint, argument)
+    _compare(checkpoint, run, dtype)
+
+    results = {r["name"]: r for r in run["results"]}
+    at_limit = [r for name, r in results.items() if name.startswith(f"p{len(phases) - 1}.")]
+    assert [len(r["ids"]) for r in at_limit] == [MAX_MODEL_LEN, MAX_MODEL_LEN]
+    # a request's result must not depend on its batch row (a defect once drifted the first row by 0.07)
+    first, third = results["p4.b0"], results["p4.b2"]
     assert first["ids"] == third["ids"]
     assert max(abs(a - b) for a, b in zip(first["logprobs"], third["logprobs"], strict=True)) <= 1e-3
-    # on CPUs with AVX-512 BF16 (or Arm BF16) the short convolution ran on vLLM's C++ ops, as for GDN
+
+    counts = run["counts"]
+    # every KDA layer call ran on kda, each one kda call validated by the engine
+    assert counts["prefill"] > 0 and counts["validations"] >= counts["prefill"] + counts["decode"]
+    if spec:
+        assert counts["spec"] > 0 and counts["fresh"] > 0
+    else:
+        assert counts["decode"] > 0 and counts["spec"] == 0
+    # vLLM's C++ convolution serves bf16 on CPUs with AVX-512 BF16 (or Arm BF16), as for GDN
     native = torch.cpu._is_avx512_bf16_supported() or (
         platform.machine() == "aarch64" and torch.cpu.get_capabilities().get("bf16", False)
     )
-    assert (run["counts"]["native_conv"] > 0) == native
+    assert (counts["native_conv"] > 0) == (native and dtype == "bfloat16")
 
 
-def test_speculative_decoding_float32(checkpoint):
-    """n-gram drafts ([N, 1 + S] slot tables, num_accepted_tokens), prompts that repeat so that drafts
-    get accepted, and a one-token request arriving while others decode: it comes as a speculative row
-    on a recycled slot and must start from zeros."""
-    run = _run(
-        "engine",
-        checkpoint,
-        {
-            "llm": {"dtype": "float32", "speculative_config": SPEC},
-            "warm": ["one two one two one two one two", "a red fish saw two birds"],
-            "batch": ["the cat the cat the cat the cat", "one two three one two three one"],
-            "later": ["the"],
-            "after": 2,
-            "max_tokens": 10,
-        },
-    )
-    _compare(checkpoint, run, FP32_TOL)
-    counts = run["counts"]
-    assert counts["spec"] > 0 and counts["prefill"] > 0
-    assert counts["fresh"] > 0  # the one-token request was started from zeroed slots
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_openai_server_completions(checkpoint, tmp_path):
-    """`python -m vllm.entrypoints.openai.api_server` with the plugin: /v1/completions answers."""
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    env = {k: v for k, v in ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            checkpoint,
-            "--served-model-name",
-            "tiny-kimi",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "256",
-            "--enforce-eager",
-            "--no-enable-prefix-caching",
-            "--max-num-seqs",
-            "4",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.time() < deadline, "the server did not start in 300 s"
-                time.sleep(1)
-        body = json.dumps(
-            {"model": "tiny-kimi", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "logprobs": 1}
-        ).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
-        choice = answer["choices"][0]
-        assert answer["usage"]["completion_tokens"] == 5
-        assert len(choice["logprobs"]["token_logprobs"]) == 5
-        assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+def test_refused_model_shapes(tmp_path):
+    """A checkpoint whose KDA layers kda cannot run (head dim 512 > 256): the engine refuses the model
+    while it builds it, with a message that names the layer and the limit; before, it started and
+    then failed the first request (an HTTP 500 that took the server down)."""
+    checkpoint = tiny_kimi.write_checkpoint(str(tmp_path / "kimi-head-512"), head_dim=512)
+    code = f"import json, sys; sys.argv = ['', 'engine', {checkpoint!r}, json.dumps({{'batch': ['the']}})]\n"
+    code += f"exec(open({os.path.join(HERE, 'engine_run.py')!r}).read())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode != 0 and "RESULT" not in proc.stdout
+    assert "cannot run on kda" in proc.stderr and "<=256 for KDA, got 512" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_other_vllm_version_patches_nothing():

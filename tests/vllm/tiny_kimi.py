@@ -102,8 +102,23 @@ def write_checkpoint(path, seed=0, **linear_attn):
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Weights of a scale that makes the logits far from uniform (a random model with the usual 0.02
-    # initialisation predicts an almost flat distribution, which would test nothing).
+    far_from_flat(model)
+    model.save_pretrained(path)
+    _rename_dense_mlp(path)
+    with open(os.path.join(path, "config.json"), "w") as f:  # the checkpoint's own config, as written
+        json.dump(config_dict(**linear_attn), f, indent=1)
+    write_tokenizer(path)
+    open(os.path.join(path, "done"), "w").close()
+    return path
+
+
+def far_from_flat(model, norm_center=lambda name: 1.0):
+    """Random weights of a scale that makes the logits far from uniform (a random model with the usual
+    0.02 initialisation predicts an almost flat distribution, which would test nothing); the gate's
+    A_log and dt_bias in the ranges of trained models. ``norm_center(name)``: where a norm's weights
+    centre (1 for a plain RMSNorm; 0 for one that scales by 1 + weight)."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -113,20 +128,13 @@ def write_checkpoint(path, seed=0, **linear_attn):
             elif "conv1d" in name:
                 p.copy_(torch.randn_like(p) * 0.5)
             elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(norm_center(name) + 0.1 * torch.randn_like(p))
             elif "e_score_correction_bias" in name:
                 p.zero_()
             elif p.dim() >= 2:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
             else:
                 p.copy_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    _rename_dense_mlp(path)
-    with open(os.path.join(path, "config.json"), "w") as f:  # the checkpoint's own config, as written
-        json.dump(config_dict(**linear_attn), f, indent=1)
-    write_tokenizer(path)
-    open(os.path.join(path, "done"), "w").close()
-    return path
 
 
 def _rename_dense_mlp(path):
