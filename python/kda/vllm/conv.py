@@ -69,9 +69,9 @@ class ShortConvolution:
     """The layer's depthwise causal convolution (width 4, SiLU) on its conv-state slots
     ``conv_state [slots, dim, L]`` (``L = width - 1``, or ``width - 1 + S`` with speculative decoding).
 
-    A bf16 step runs on vLLM's C++ ops where ``native`` is given (36x faster than the torch loop at a
-    512-token prefill and 17x at a one-token decode step, measured at Kimi Linear's 3 x 4096 channels
-    on 2026-12-03); float32 steps, other widths and CPUs without the ops run vLLM's torch-level ops.
+    A bf16 step runs on vLLM's C++ ops where ``native`` is given (many times faster than the torch
+    loop: docs/vllm.md has the figures); float32 steps, other widths and CPUs without the ops run
+    vLLM's torch-level ops.
     Kimi keeps its conv weight in float32, so vLLM never packs it: this class packs a bf16 copy on
     first use and drops it when the weight is reloaded (:meth:`weight_changed`). In a bf16 engine the
     activations around the convolution are bf16 already; rounding the weight as well adds one rounding
@@ -103,7 +103,6 @@ class ShortConvolution:
             return None
         if self._packed is None:
             self._packed = self.native.pack(self.weight().detach().to(torch.bfloat16).contiguous())
-        self.native_calls += 1
         return self._packed
 
     def prefill(self, x, conv_state, query_start_loc, indices, has_initial_state):
@@ -113,6 +112,7 @@ class ShortConvolution:
         request reads). Returns ``[T, dim]``."""
         packed = self._packed_weight(x)
         if packed is not None:
+            self.native_calls += 1
             return self.native.prefill(
                 x=dense_rows(x).t(),  # the op reads the transpose of a row-major [T, dim] tensor
                 weight=packed,
@@ -142,6 +142,7 @@ class ShortConvolution:
         state = conv_state[:, :, : self.width - 1]
         packed = self._packed_weight(x)
         if packed is not None:
+            self.native_calls += 1
             return self.native.decode(
                 x=dense_rows(x),
                 conv_states=state,
