@@ -22,6 +22,11 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # pip's output without the warnings some machines' pip configuration prints for every package; a
 # failing pip still fails the script (pipefail).
 quiet_pip() { "${pip[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+# Before 0.4 this project's distribution was named kda (PyPI's kda is another project): a leftover
+# install of ours under that name would own the same files as kda-kernels.
+if "${pip[@]}" show kda 2>/dev/null | grep -q "^Summary: .*Kimi Delta Attention"; then
+  quiet_pip uninstall -q -y kda
+fi
 # torch first and alone, at the pinned CPU build: it is the large download, and an unpinned torch would
 # pull a multi-GB CUDA build. The companions are used as installed packages (never copied into the
 # repository).

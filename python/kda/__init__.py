@@ -15,7 +15,50 @@ through kda on CPU tensors; ``kda.cp`` is context parallelism over ``torch.distr
 
 import importlib
 
-from . import _engine as engine
+
+def _load_engine():
+    """The compiled engine. A wheel's engine takes its OpenMP runtime (libgomp.so.1) from the process,
+    so that kda's threads and torch's share one: where the system has none, torch's copy serves once
+    torch is loaded."""
+    try:
+        from . import _engine
+    except ImportError as error:
+        if "libgomp" not in str(error):
+            raise
+        try:
+            import torch  # noqa: F401 - loads the libgomp.so.1 its wheel carries
+        except ImportError:
+            raise ImportError(
+                "kda's engine needs the OpenMP runtime libgomp.so.1: install torch (its wheel carries one) "
+                "or the system's (Debian/Ubuntu: apt-get install libgomp1)"
+            ) from error
+        from . import _engine
+    return _engine
+
+
+engine = _load_engine()
+
+
+def _warn_other_kda():
+    """PyPI's distribution `kda` (Kinetic Diagram Analysis, unrelated) installs a top-level module of
+    this name too: next to this one, each install overwrites the other's files."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    others = sorted(p.name for p in here.parent.glob("kda-*.dist-info"))
+    if others:
+        import warnings
+
+        warnings.warn(
+            f"kda: {', '.join(others)} in {here.parent} is another distribution that installs a module "
+            "named kda (this one is kda-kernels): both cannot live in one environment; uninstall one "
+            "(pip uninstall kda) and reinstall the other",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_warn_other_kda()
 
 try:  # written by the build from VERSION; travels with the copy the kernels hub folder holds
     from ._version import __version__
@@ -23,7 +66,7 @@ except ImportError:  # a tree without the build's file: the installed distributi
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        __version__ = version("kda")
+        __version__ = version("kda-kernels")
     except PackageNotFoundError:
         __version__ = "unknown"
 
