@@ -25,12 +25,34 @@ def test_folder_layout_and_metadata(hub_folder):
     assert list((variant_dir / "kda").glob("_engine.*"))
 
 
-def test_kernels_picks_this_variant(hub_folder):
+def test_kernels_picks_a_variant_for_every_supported_torch(hub_folder):
+    # One engine serves every torch (it is not compiled against torch): the stable-ABI variant of the
+    # lowest torch the package declares, which kernels prefers, and one per torch minor up to this one.
+    names = hub.variant_names()
+    major, minor = torch.__version__.split(".")[:2]
+    assert names[0] == "torch-stable-abi26-" + hub.variant_name().split("-", 1)[1]
+    assert names[1].startswith("torch26-cpu-") and names[-1] == hub.variant_name()
+    assert hub.variant_name().startswith(f"torch{major}{minor}-cpu-")
+    assert sorted(p.name for p in (hub_folder / "build").iterdir()) == sorted(names)
     found = kernels_variants.get_variants_local(hub_folder / "build")
     chosen, _ = kernels_variants.resolve_variant(found)
-    assert chosen is not None and chosen.variant_str == hub.variant_name()
-    major, minor = torch.__version__.split(".")[:2]
-    assert hub.variant_name().startswith(f"torch{major}{minor}-cpu-")
+    assert chosen is not None and chosen.variant_str == names[0]
+    assert {v.variant_str for v in found} == set(names)
+
+
+def test_folder_carries_the_engines_libraries(hub_folder):
+    # Loaded alone in a fresh process, the hub's engine maps Highway from the folder, not the system's.
+    code = (
+        "import kernels, pathlib, sys; m = kernels.get_local_kernel(pathlib.Path(sys.argv[1])); "
+        "print([l.split()[-1] for l in open('/proc/self/maps') if '/libhwy' in l][0]); "
+        "print(m.engine.__file__)"
+    )
+    command = [sys.executable, "-c", code, str(hub_folder)]
+    run = subprocess.run(command, capture_output=True, text=True, check=True)
+    hwy, engine = run.stdout.split()
+    variant_dir = hub_folder / "build" / hub.variant_names()[0]
+    assert engine.startswith(str(variant_dir / "kda")), engine
+    assert hwy.startswith(str(variant_dir / hub.LIBS_DIR)), hwy
 
 
 def test_loaded_module_is_a_separate_copy_with_bitwise_equal_results(hub_folder):
