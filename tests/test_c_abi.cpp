@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -217,6 +219,75 @@ TEST(CAbi, ProblemDefaultsMirrorCpp) {
   EXPECT_EQ(c.gate, static_cast<int32_t>(d.gate));
   EXPECT_EQ(c.gate_lower_bound, d.gate_lower_bound);
   EXPECT_EQ(c.beta_mode, static_cast<int32_t>(d.beta));
+  EXPECT_EQ(c.gate_width, static_cast<int32_t>(d.gate_width));
+  EXPECT_EQ(c.struct_size, sizeof(kda_problem));  // the header's kda_problem_default: this header's size
+}
+
+// kda_problem_init writes exactly struct_size bytes for each layout it knows (kda 0.2's and this
+// header's), stamped with that size; a size it does not know leaves every byte as it was.
+TEST(CAbi, ProblemInitWritesExactlyTheLayoutAsked) {
+  struct Guarded {
+    kda_problem p;
+    unsigned char canary[64];
+  };
+  constexpr size_t kLayout02 = offsetof(kda_problem, gate_width);  // kda 0.2's kda_problem
+  static_assert(sizeof(void*) != 8 || kLayout02 == 104);
+  const kda_problem want = kda_problem_default();
+  for (const size_t size : {kLayout02, sizeof(kda_problem)}) {
+    SCOPED_TRACE("struct_size " + std::to_string(size));
+    Guarded g;
+    std::memset(&g, 0xA5, sizeof g);
+    ASSERT_EQ(kda_problem_init(&g.p, size), KDA_OK) << kda_last_error();
+    EXPECT_STREQ(kda_last_error(), "");
+    EXPECT_EQ(g.p.struct_size, size);
+    const auto* bytes = reinterpret_cast<const unsigned char*>(&g);
+    size_t touched = 0;
+    for (size_t i = size; i < sizeof g; ++i) touched += bytes[i] != 0xA5;
+    EXPECT_EQ(touched, 0u) << "bytes past struct_size were written";
+    // Every byte of the layout is the default (the padding and reserved0 zero, as the header's own).
+    EXPECT_EQ(std::memcmp(bytes + sizeof(uint32_t),
+                          reinterpret_cast<const unsigned char*>(&want) + sizeof(uint32_t),
+                          size - sizeof(uint32_t)),
+              0);
+    // A problem in either layout is a working problem.
+    g.p.seq_len = 70;
+    g.p.heads = 1;
+    g.p.value_heads = 1;
+    g.p.key_dim = 8;
+    g.p.value_dim = 8;
+    int64_t chunks = 0;
+    ASSERT_EQ(kda_num_chunks(&g.p, &chunks), KDA_OK) << kda_last_error();
+    EXPECT_EQ(chunks, 2);
+  }
+
+  const size_t too_small[] = {0, 1, 4, 8, kLayout02 - 8, kLayout02 - 1};
+  const size_t unknown[] = {
+      kLayout02 + 1, kLayout02 + 4, sizeof(kda_problem) - 1, sizeof(kda_problem) + 1, sizeof(kda_problem) + 8,
+      4096,          SIZE_MAX};
+  for (const auto& [sizes, status] :
+       {std::pair{std::vector<size_t>(std::begin(too_small), std::end(too_small)),
+                  KDA_ERROR_INVALID_ARGUMENT},
+        std::pair{std::vector<size_t>(std::begin(unknown), std::end(unknown)), KDA_ERROR_NOT_SUPPORTED}}) {
+    for (const size_t size : sizes) {
+      SCOPED_TRACE("struct_size " + std::to_string(size));
+      Guarded g;
+      std::memset(&g, 0xA5, sizeof g);
+      Guarded before;
+      std::memcpy(&before, &g, sizeof g);
+      EXPECT_EQ(kda_problem_init(&g.p, size), status) << kda_last_error();
+      EXPECT_EQ(std::memcmp(&g, &before, sizeof g), 0) << "a refused kda_problem_init wrote";
+      const std::string message = kda_last_error();
+      for (const std::string& needle :
+           {std::string("kda_problem_init"), std::string("'struct_size'"), std::to_string(size),
+            std::to_string(kLayout02), std::to_string(sizeof(kda_problem))})
+        EXPECT_NE(message.find(needle), std::string::npos) << message << "\nexpected to contain: " << needle;
+      if (size > sizeof(kda_problem)) EXPECT_NE(message.find("newer"), std::string::npos) << message;
+    }
+  }
+
+  EXPECT_EQ(kda_problem_init(nullptr, sizeof(kda_problem)), KDA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kda_last_error()).find("kda_problem_init: argument 'p' is NULL"), std::string::npos)
+      << kda_last_error();
 }
 
 TEST(CAbi, MakeViewsMirrorCpp) {
@@ -496,6 +567,35 @@ TEST(CAbi, StructSizeVersioning) {
   kda_run_options small = kOneThread;
   small.struct_size = 4;
   expect_rejected(f, "struct_size", [&] { return kda_recurrent_forward(&p, &in, &out, &small); });
+}
+
+// A problem in the 0.2 layout (the exported kda_problem_default's) has no gate_width: a per-head gate
+// tensor then fails on its shape, and the message says how to get the field.
+TEST(CAbi, GateOfA02LayoutProblemSaysHowToSetGateWidth) {
+  Fixture f;
+  for (const uint32_t size : {uint32_t{0}, static_cast<uint32_t>(offsetof(kda_problem, gate_width))}) {
+    kda_problem p = f.cp;
+    p.struct_size = size;
+    p.gate_width = KDA_GATE_WIDTH_PER_HEAD;  // past the 0.2 layout: not read
+    kda_forward_inputs in = f.c_inputs(p);
+    in.g = kda_make_input(f.g.data(), KDA_DTYPE_F32, &p, Fixture::HV, 1);
+    const kda_forward_outputs out = f.c_outputs();
+    expect_rejected(f, "argument 'g'", [&] { return kda_chunk_forward(&p, &in, &out, nullptr); });
+    EXPECT_NE(std::string(kda_last_error()).find("kda_problem_init(&p, sizeof p)"), std::string::npos)
+        << kda_last_error();
+    EXPECT_NE(std::string(kda_last_error()).find("struct_size"), std::string::npos) << kda_last_error();
+  }
+  // With this header's size the same call runs (gate_width read), and other errors carry no note.
+  kda_problem p = f.cp;
+  p.gate_width = KDA_GATE_WIDTH_PER_HEAD;
+  kda_forward_inputs in = f.c_inputs(p);
+  in.g = kda_make_input(f.g.data(), KDA_DTYPE_F32, &p, Fixture::HV, 1);
+  kda_forward_outputs out = f.c_outputs();
+  EXPECT_EQ(kda_chunk_forward(&p, &in, &out, nullptr), KDA_OK) << kda_last_error();
+  p.struct_size = 0;
+  in.q.dim = 3;
+  expect_rejected(f, "argument 'q'", [&] { return kda_chunk_forward(&p, &in, &out, nullptr); });
+  EXPECT_EQ(std::string(kda_last_error()).find("kda_problem_init"), std::string::npos) << kda_last_error();
 }
 
 // A pool of `slots` K-first fp32 states for the fixture's heads, filled with a poison pattern.

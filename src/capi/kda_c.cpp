@@ -10,6 +10,7 @@
 #include <string>
 #include <type_traits>
 
+#include "capi/problem_layouts.hpp"
 #include "kda/kda.h"
 #include "kda/kda.hpp"
 
@@ -67,6 +68,42 @@ constexpr size_t first_layout_size() {
 static_assert(offsetof(kda_problem, gate_width) == offsetof(kda_problem, beta_mode) + 8,
               "kda_problem's first layout ends 4 bytes of padding after beta_mode");
 
+// The exported kda_problem_default (compat.cpp) returns kda_problem_v0_2: kda_problem's first layout,
+// field for field.
+static_assert(sizeof(kda_problem_v0_2) == first_layout_size<kda_problem>());
+static_assert(alignof(kda_problem_v0_2) == alignof(kda_problem));
+#define KDA_SAME_OFFSET_(field) \
+  static_assert(offsetof(kda_problem_v0_2, field) == offsetof(kda_problem, field), #field)
+KDA_SAME_OFFSET_(struct_size);
+KDA_SAME_OFFSET_(batch);
+KDA_SAME_OFFSET_(seq_len);
+KDA_SAME_OFFSET_(heads);
+KDA_SAME_OFFSET_(value_heads);
+KDA_SAME_OFFSET_(key_dim);
+KDA_SAME_OFFSET_(value_dim);
+KDA_SAME_OFFSET_(cu_seqlens);
+KDA_SAME_OFFSET_(num_cu_seqlens);
+KDA_SAME_OFFSET_(scale);
+KDA_SAME_OFFSET_(has_scale);
+KDA_SAME_OFFSET_(state_layout);
+KDA_SAME_OFFSET_(qk_l2norm);
+KDA_SAME_OFFSET_(gate);
+KDA_SAME_OFFSET_(gate_lower_bound);
+KDA_SAME_OFFSET_(beta_mode);
+#undef KDA_SAME_OFFSET_
+
+// Every kda_problem layout a release has had, oldest first, the last this library's own: the sizes
+// kda_problem_init accepts. A field appended later adds the previous sizeof(kda_problem) here.
+struct ProblemLayout {
+  size_t size;
+  const char* name;
+};
+constexpr ProblemLayout kProblemLayouts[] = {
+    {first_layout_size<kda_problem>(), "the kda 0.2 layout"},
+    {sizeof(kda_problem), "the kda 0.3 layout, this library's"},
+};
+static_assert(first_layout_size<kda_problem>() < sizeof(kda_problem));
+
 // Reads a caller's struct (see Versioning in kda.h): struct_size 0 means the first layout; fields a
 // newer header added must be zero (else the call asks for something this build does not have).
 template <typename T>
@@ -86,6 +123,32 @@ T read_struct(const T* ptr, const char* function, const char* arg, const char* t
                          " (struct_size " + std::to_string(size) + ") that kda " + KDA_VERSION_STRING +
                          " does not have");
   return out;
+}
+
+// A kda_problem's size as read_struct reads it (0: the first layout).
+size_t problem_size(const kda_problem* p) {
+  return p == nullptr || p->struct_size == 0 ? first_layout_size<kda_problem>() : p->struct_size;
+}
+
+// Runs a call's `body` on problem p. A problem in the 0.2 layout (the one the exported
+// kda_problem_default returns) has gate_width read as per_key, whatever the caller's struct holds past
+// its struct_size: a caller whose header has gate_width and set it to per_head then has its gate tensor
+// rejected. Such errors say why and what to do.
+template <typename Body>
+void with_layout_hint(const kda_problem* p, Body&& body) {
+  try {
+    body();
+  } catch (const kda::Error& e) {
+    const std::string what = e.what();
+    const bool gate_tensor =
+        what.rfind("kda: argument 'g':", 0) == 0 || what.rfind("kda: argument 'dg':", 0) == 0;
+    if (!gate_tensor || problem_size(p) > first_layout_size<kda_problem>()) throw;
+    throw kda::Error(what + "; note: p->struct_size " + std::to_string(p->struct_size) +
+                     " means the kda 0.2 layout (what the exported kda_problem_default returns), which has "
+                     "no gate_width: it reads as KDA_GATE_WIDTH_PER_KEY, as does every field appended "
+                     "since 0.2. To set one, start from kda_problem_init(&p, sizeof p), or set struct_size "
+                     "to your header's sizeof(kda_problem)");
+  }
 }
 
 // Runs `body`, turning every exception into a status code and a message.
@@ -239,7 +302,8 @@ kda_status forward(const char* name, ForwardFn fn, const kda_problem* p, const k
     const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
     const kda::ForwardInputs& in = call.forward_inputs(inputs, "inputs");
     const kda::ForwardOutputs out = to_cpp(read_struct(outputs, name, "outputs", "kda_forward_outputs"));
-    fn(problem, in, out, to_cpp(options, name));
+    const kda::RunOptions opt = to_cpp(options, name);
+    with_layout_hint(p, [&] { fn(problem, in, out, opt); });
   });
 }
 
@@ -255,11 +319,36 @@ kda_status backward(const char* name, BackwardFn fn, const kda_problem* p, const
     in.d_final_state = c.d_final_state;
     in.chunk_states = c.chunk_states;
     const kda::BackwardOutputs out = to_cpp(read_struct(outputs, name, "outputs", "kda_backward_outputs"));
-    fn(problem, in, out, to_cpp(options, name));
+    const kda::RunOptions opt = to_cpp(options, name);
+    with_layout_hint(p, [&] { fn(problem, in, out, opt); });
   });
 }
 
 }  // namespace
+
+void kda::capi::write_problem_defaults(void* dst, size_t size) {
+  const kda::Problem d;
+  kda_problem p;
+  std::memset(static_cast<void*>(&p), 0, sizeof p);  // reserved0 and the padding too: every byte defined
+  p.struct_size = static_cast<uint32_t>(size);
+  p.batch = d.batch;
+  p.seq_len = d.seq_len;
+  p.heads = d.heads;
+  p.value_heads = d.value_heads;
+  p.key_dim = d.key_dim;
+  p.value_dim = d.value_dim;
+  p.cu_seqlens = nullptr;
+  p.num_cu_seqlens = 0;
+  p.scale = 0.0f;
+  p.has_scale = 0;
+  p.state_layout = static_cast<int32_t>(d.state_layout);
+  p.qk_l2norm = d.qk_l2norm ? 1 : 0;
+  p.gate = static_cast<int32_t>(d.gate);
+  p.gate_lower_bound = d.gate_lower_bound;
+  p.beta_mode = static_cast<int32_t>(d.beta);
+  p.gate_width = static_cast<int32_t>(d.gate_width);
+  std::memcpy(dst, &p, std::min(size, sizeof p));
+}
 
 extern "C" {
 
@@ -278,27 +367,26 @@ const char* kda_status_string(kda_status status) {
   return "unknown kda_status";
 }
 
-kda_problem kda_problem_default(void) {
-  const kda::Problem d;
-  kda_problem p{};
-  p.struct_size = sizeof(kda_problem);
-  p.batch = d.batch;
-  p.seq_len = d.seq_len;
-  p.heads = d.heads;
-  p.value_heads = d.value_heads;
-  p.key_dim = d.key_dim;
-  p.value_dim = d.value_dim;
-  p.cu_seqlens = nullptr;
-  p.num_cu_seqlens = 0;
-  p.scale = 0.0f;
-  p.has_scale = 0;
-  p.state_layout = static_cast<int32_t>(d.state_layout);
-  p.qk_l2norm = d.qk_l2norm ? 1 : 0;
-  p.gate = static_cast<int32_t>(d.gate);
-  p.gate_lower_bound = d.gate_lower_bound;
-  p.beta_mode = static_cast<int32_t>(d.beta);
-  p.gate_width = static_cast<int32_t>(d.gate_width);
-  return p;
+kda_status kda_problem_init(kda_problem* p, size_t struct_size) {
+  return guarded([&] {
+    constexpr const char* name = "kda_problem_init";
+    if (p == nullptr) null_argument(name, "p", "kda_problem*");
+    for (const ProblemLayout& layout : kProblemLayouts)
+      if (layout.size == struct_size) return kda::capi::write_problem_defaults(p, struct_size);
+    std::string known;
+    for (const ProblemLayout& layout : kProblemLayouts)
+      known += (known.empty() ? "" : ", ") + std::to_string(layout.size) + " (" + layout.name + ")";
+    const std::string got = std::string(name) + ": argument 'struct_size': " + std::to_string(struct_size);
+    const std::string expected = "expected sizeof(kda_problem) of the caller's kda.h, one of " + known;
+    if (struct_size < kProblemLayouts[0].size)
+      throw kda::Error(got + " is smaller than any kda_problem layout; " + expected);
+    if (struct_size > sizeof(kda_problem))
+      throw NotSupported(got + " is larger than kda " + KDA_VERSION_STRING +
+                         "'s kda_problem (a kda.h newer than the library); " + expected +
+                         "; nothing written");
+    throw NotSupported(got + " is not a kda_problem layout kda " + KDA_VERSION_STRING + " knows; " +
+                       expected + "; nothing written");
+  });
 }
 
 kda_input kda_make_input(const void* data, int32_t dtype, const kda_problem* p, int64_t heads, int64_t dim) {
@@ -399,7 +487,9 @@ kda_status kda_segment_transition(const kda_problem* p, const kda_forward_inputs
     Call call(name);
     const kda::Problem problem = to_cpp(read_struct(p, name, "p", "kda_problem"));
     const kda::ForwardInputs& in = call.forward_inputs(inputs, "inputs");
-    kda::segment_transition(kda::prepare(problem), in, sequence, M, S_local, readout, to_cpp(options, name));
+    const kda::RunOptions opt = to_cpp(options, name);
+    with_layout_hint(
+        p, [&] { kda::segment_transition(kda::prepare(problem), in, sequence, M, S_local, readout, opt); });
   });
 }
 
@@ -417,7 +507,8 @@ kda_status kda_decode(const kda_problem* p, const kda_decode_inputs* inputs, con
     const kda::StatePool cpp_pool = to_cpp(read_struct(pool, name, "pool", "kda_state_pool"));
     kda::DecodeOutputs out;
     out.o = to_cpp(read_struct(outputs, name, "outputs", "kda_decode_outputs").o);
-    kda::decode(problem, in, cpp_pool, out, to_cpp(options, name));
+    const kda::RunOptions opt = to_cpp(options, name);
+    with_layout_hint(p, [&] { kda::decode(problem, in, cpp_pool, out, opt); });
   });
 }
 
