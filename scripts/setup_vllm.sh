@@ -13,6 +13,7 @@
 # model needs none of them).
 #
 #   KDA_VLLM_VENV  the virtual environment (default .venv-vllm)
+#   KDA_WHEEL      a kda-kernels wheel to install instead of building this checkout
 #   KDA_PYTHON     the interpreter that creates it (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -56,13 +57,20 @@ if [[ -n "$strays" ]]; then
 fi
 "$py" -c "import pytest" 2>/dev/null || quiet_pip install -q "$(grep -E "^pytest==" constraints.txt)"
 
-# kda from this checkout, rebuilt only when a source it is built from changed since the last install.
+# kda-kernels: the wheel KDA_WHEEL names (scripts/test.sh passes the one it tested), else from this
+# checkout, rebuilt only when a source it is built from changed since the last install.
+if [[ -n "${KDA_WHEEL:-}" ]]; then
+  echo "setup_vllm: pip install $(basename "$KDA_WHEEL") into $venv"
+  quiet_pip install -q --no-deps --force-reinstall "$KDA_WHEEL"
+  rm -f "$venv/.kda-source"
+fi
 stamp="$venv/.kda-source"
-paths=(CMakeLists.txt VERSION pyproject.toml cmake include src python)
+paths=(CMakeLists.txt VERSION pyproject.toml cmake include src python tools harness)
 want=$({ git ls-tree HEAD -- "${paths[@]}" && git diff HEAD -- "${paths[@]}" &&
   git ls-files -o --exclude-standard -z -- "${paths[@]}" | xargs -0 -r cat; } 2>/dev/null |
   sha256sum | cut -d" " -f1)
-if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] || ! "$py" -c "import kda.vllm" 2>/dev/null; then
+if [[ -z "${KDA_WHEEL:-}" ]] && { [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] ||
+  ! "$py" -c "import kda.vllm" 2>/dev/null; }; then
   echo "setup_vllm: pip install kda-kernels from this checkout into $venv"
   quiet_pip install -q --no-deps .
   echo "$want" >"$stamp"

