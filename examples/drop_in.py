@@ -112,6 +112,10 @@ def speed(T=1024, H=16, K=128, V=128):
 
     with torch.no_grad():
         ours = timed(lambda: kda.chunk_kda(**plain, output_final_state=True, use_qk_l2norm_in_kernel=True))
+        print(
+            "  (this example hides flash-linear-attention from transformers on purpose, so that its Kimi "
+            "Linear takes the torch fallback, the CPU peer: a warning that fla is not installed may follow)"
+        )
         try:
             from transformers.models.kimi_linear import modeling_kimi_linear as kimi
         except ImportError:

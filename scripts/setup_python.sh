@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the Python side: a virtual environment (.venv) with PyTorch (the CPU build, torch==2.13.0),
-# then kda itself, built from this checkout, with its `test` and `bench` extras (pyproject.toml:
+# then kda-kernels itself, built from this checkout (the engine, its extension and the `kda` tool, on
+# the environment's PATH), with its `test` and `bench` extras (pyproject.toml:
 # fla-core 0.6.0 with triton, transformers 5.22.2 with kernels 0.17.2, pytest, ruff, matplotlib), all
 # at the versions constraints.txt pins. Safe to run again: pip skips what is installed, and the
 # extension's build is incremental.
@@ -31,8 +32,22 @@ fi
 # pull a multi-GB CUDA build. The companions are used as installed packages (never copied into the
 # repository).
 quiet_pip install -q -c constraints.txt torch
-echo "setup_python: pip install \".[test,bench]\" (builds the extension)"
-quiet_pip install -q -c constraints.txt ".[test,bench]"
+echo "setup_python: pip install \".[test,bench]\": the one compile of the engine, its extension and the kda"
+echo "setup_python: tool (~6 min on 2 cores the first time, seconds after); compile progress below"
+# pip says nothing while it builds: its verbose log goes to a file, and the compiler's progress lines
+# to the terminal.
+mkdir -p build/python
+log=build/python/pip-install.log
+set +e
+"${pip[@]}" install -v -c constraints.txt ".[test,bench]" 2>&1 | tee "$log" |
+  sed -n -u -E 's/^ *\[([0-9]+)\/([0-9]+)\] (Building|Linking) [A-Z]+ [a-z ]+ (.*)$/setup_python:   [\1\/\2] \4/p'
+status=${PIPESTATUS[0]}
+set -e
+if [[ $status != 0 ]]; then
+  tail -n 40 "$log"
+  echo "setup_python: pip install failed (the whole log: $log)" >&2
+  exit "$status"
+fi
 "${pip[@]}" show torch fla-core transformers kernels 2>/dev/null | grep -E "^(Name|Version)" | paste - - | \
   sed 's/^/setup_python: /'
 "$venv/bin/python" -c "import kda; print('setup_python: kda', kda.__version__, 'on', kda.simd_target())"
