@@ -33,14 +33,14 @@ fi
 # repository).
 quiet_pip install -q -c constraints.txt torch
 echo "setup_python: pip install \".[test,bench]\": the one compile of the engine, its extension and the kda"
-echo "setup_python: tool (~6 min on 2 cores the first time, seconds after); compile progress below"
+echo "setup_python: tool (~3 min on 2 cores the first time, seconds after); compile progress below"
 # pip says nothing while it builds: its verbose log goes to a file, and the compiler's progress lines
 # to the terminal.
 mkdir -p build/python
 log=build/python/pip-install.log
 set +e
 "${pip[@]}" install -v -c constraints.txt ".[test,bench]" 2>&1 | tee "$log" |
-  sed -n -u -E 's/^ *\[([0-9]+)\/([0-9]+)\] (Building|Linking) [A-Z]+ [a-z ]+ (.*)$/setup_python:   [\1\/\2] \4/p'
+  sed -n -u -E 's/^ *\[([0-9]+)\/([0-9]+)\] (Building|Linking) [A-Z]+ [a-z ]+ (.*\/)?([^/]*)$/setup_python:   [\1\/\2] \5/p'
 status=${PIPESTATUS[0]}
 set -e
 if [[ $status != 0 ]]; then
