@@ -1,0 +1,60 @@
+// The CPU's bf16 matrix units, for the chunked forward's opt-in bf16 products (RunOptions::precision):
+// C (=, +=) A B with A and B rounded to bf16 and the products summed in fp32.
+//
+// Three units compute the same thing: AMX tiles (TDPBF16PS, 16 x 16 x 32 products an instruction),
+// AVX512-BF16 (VDPBF16PS, pairs of products per fp32 lane) and the portable path, which rounds the
+// operands to bf16 values held in floats and runs the fp32 kernels' own products (a product of two bf16
+// values is exact in fp32, so only the order of the fp32 sums differs). The portable path is what
+// every CPU can run and test; the native units need their operands packed (pack_a, pack_b), in a layout
+// that reference_gemm() reads on any CPU, so the layouts are tested everywhere too.
+//
+// Not Highway code: the native units are x86 instructions, compiled with per-function target
+// attributes and chosen at run time (product_unit()).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kda::cpu {
+
+enum class ProductUnit : int32_t { portable = 0, avx512_bf16 = 1, amx = 2 };
+
+const char* product_unit_name(ProductUnit unit);
+// The units this CPU and its kernel run, best first (portable is always there, last). AMX counts only
+// once the kernel granted the process its tile state (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once).
+std::vector<ProductUnit> available_product_units();
+// The unit the bf16 products run on: the best available, or the one the environment variable
+// KDA_BF16_UNIT names (portable, avx512_bf16, amx; read once). A name that is not available throws
+// kda::Error saying which are.
+ProductUnit product_unit();
+
+// x rounded to the nearest bf16, ties to even, as the native units round: a subnormal becomes a zero of
+// its sign, a NaN stays a (quiet) NaN, a value past the largest bf16 becomes an infinity.
+uint16_t bf16_bits(float x);
+float bf16_value(uint16_t bits);
+
+// The packed operands of the native units. A (M x K) as bf16 rows: [packed_rows(M)][packed_depth(K)],
+// zero past M and K. B (K x N) as bf16 pairs of rows: pair-row p holds (B(2p, n), B(2p+1, n)) for every
+// n, [packed_depth(K) / 2][packed_cols(N)][2], zero past K and N.
+inline constexpr int64_t packed_rows(int64_t m) { return (m + 15) / 16 * 16; }
+inline constexpr int64_t packed_cols(int64_t n) { return (n + 15) / 16 * 16; }
+inline constexpr int64_t packed_depth(int64_t k) { return (k + 31) / 32 * 32; }
+
+// A(m, p) = src[m * rs + p * cs], negated when `negate` (C -= A B is C += (-A) B). `unit` picks the
+// conversion's instructions (a native unit's, or plain C++ for portable); all give the same bits.
+void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool negate, uint16_t* dst,
+            ProductUnit unit);
+// B(p, n) = src[p * ld + n].
+void pack_b(int64_t K, int64_t N, const float* src, int64_t ld, uint16_t* dst, ProductUnit unit);
+
+// C[M x N] (= or +=) A B on a native unit, from packed operands; N a multiple of 16, C row-major with
+// leading dimension ldc (rows past M are neither read nor written).
+void native_gemm(ProductUnit unit, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
+                 float* C, int64_t ldc, bool accumulate);
+// The same product read from the packed layouts in plain C++, summing in double: what the tests hold the
+// native units to, on any CPU.
+void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C,
+                    int64_t ldc, bool accumulate);
+
+}  // namespace kda::cpu

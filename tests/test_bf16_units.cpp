@@ -1,0 +1,147 @@
+// The bf16 product units (src/cpu/bf16_units.hpp): the rounding rule, the packed layouts (read by the
+// plain C++ reference on every CPU), and each native unit this CPU runs (AMX, AVX512-BF16) against that
+// reference, rows past M untouched. A CPU without a unit skips only that unit's test.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu/bf16_units.hpp"
+
+namespace kda::test {
+namespace {
+
+using cpu::ProductUnit;
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+TEST(Bf16Units, RoundingIsToNearestEvenWithSubnormalsFlushed) {
+  // The rule of VCVTNEPS2BF16 (checked on an AVX512-BF16 CPU): ties to even, subnormals to a signed
+  // zero, NaN quiet with its top payload bits, overflow to infinity.
+  const std::pair<uint32_t, uint16_t> cases[] = {
+      {0x3f800000u, 0x3f80}, {0x3f808000u, 0x3f80}, {0x3f818000u, 0x3f82}, {0x3f808001u, 0x3f81},
+      {0x3f800001u, 0x3f80}, {0xbf808000u, 0xbf80}, {0x00000001u, 0x0000}, {0x807fffffu, 0x8000},
+      {0x00800000u, 0x0080}, {0x7f7fffffu, 0x7f80}, {0xff800000u, 0xff80}, {0x7f800001u, 0x7fc0},
+      {0x7fffffffu, 0x7fff}, {0xffc00000u, 0xffc0}, {0x00000000u, 0x0000}, {0x80000000u, 0x8000},
+  };
+  for (const auto& [bits, expected] : cases)
+    EXPECT_EQ(cpu::bf16_bits(from_bits(bits)), expected) << std::hex << bits;
+  EXPECT_EQ(cpu::bf16_value(0x3f80), 1.0f);
+}
+
+TEST(Bf16Units, PortableIsAlwaysAvailableAndLast) {
+  const std::vector<ProductUnit> units = cpu::available_product_units();
+  ASSERT_FALSE(units.empty());
+  EXPECT_EQ(units.back(), ProductUnit::portable);
+  bool found = false;
+  for (ProductUnit u : units) found |= u == cpu::product_unit();
+  EXPECT_TRUE(found) << cpu::product_unit_name(cpu::product_unit());
+}
+
+// Normal draws and, among them, values the rounding treats apart (ties both ways, subnormals, and with
+// `huge` the largest float, which rounds to infinity).
+std::vector<float> random_floats(size_t n, uint64_t seed, bool huge = true) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(gen);
+  const uint32_t specials[] = {0x3f808000u, 0x3f818000u, 0x00000001u, 0x807fffffu, 0x42aa8000u, 0x7f7fffffu};
+  for (size_t i = 0; i < n && i < (huge ? 6u : 5u); ++i) x[i * 7 % n] = from_bits(specials[i]);
+  return x;
+}
+
+TEST(Bf16Units, PackedLayoutsHoldEveryElementAndZeroPadding) {
+  const int64_t M = 5, K = 37, N = 20;
+  const std::vector<float> a = random_floats(M * K, 1), b = random_floats(K * N, 2);
+  std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K), 0xffff);
+  std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N), 0xffff);
+  cpu::pack_a(M, K, a.data(), K, 1, true, A.data(), ProductUnit::portable);
+  cpu::pack_b(K, N, b.data(), N, B.data(), ProductUnit::portable);
+  const int64_t lda = cpu::packed_depth(K), ldb = 2 * cpu::packed_cols(N);
+  for (int64_t m = 0; m < cpu::packed_rows(M); ++m)
+    for (int64_t p = 0; p < lda; ++p)
+      ASSERT_EQ(A[m * lda + p], m < M && p < K ? cpu::bf16_bits(-a[m * K + p]) : 0) << m << " " << p;
+  for (int64_t p = 0; p < cpu::packed_depth(K); ++p)
+    for (int64_t n = 0; n < cpu::packed_cols(N); ++n)
+      ASSERT_EQ(B[p / 2 * ldb + 2 * n + p % 2], p < K && n < N ? cpu::bf16_bits(b[p * N + n]) : 0)
+          << p << " " << n;
+}
+
+class NativeUnit : public ::testing::TestWithParam<ProductUnit> {
+ protected:
+  void SetUp() override {
+    for (ProductUnit u : cpu::available_product_units())
+      if (u == GetParam()) return;
+    GTEST_SKIP() << "this CPU (or its kernel) does not run " << cpu::product_unit_name(GetParam());
+  }
+};
+
+TEST_P(NativeUnit, PacksTheSameBitsAsThePortableCode) {
+  const ProductUnit unit = GetParam();
+  for (const auto& [M, K] : {std::pair<int64_t, int64_t>{1, 1}, {7, 33}, {16, 64}, {70, 128}, {33, 100}}) {
+    const std::vector<float> src = random_floats(M * K, M * 100 + K);
+    for (const bool transposed : {false, true}) {
+      const int64_t rs = transposed ? 1 : K, cs = transposed ? M : 1;
+      std::vector<uint16_t> ours(cpu::packed_rows(M) * cpu::packed_depth(K), 0x1234),
+          theirs(ours.size(), 0x4321);
+      cpu::pack_a(M, K, src.data(), rs, cs, transposed, ours.data(), unit);
+      cpu::pack_a(M, K, src.data(), rs, cs, transposed, theirs.data(), ProductUnit::portable);
+      EXPECT_EQ(ours, theirs) << "pack_a M=" << M << " K=" << K << " transposed=" << transposed;
+    }
+    // The same values as B, K x M.
+    std::vector<uint16_t> ours(cpu::packed_depth(M) / 2 * 2 * cpu::packed_cols(K), 0x1234),
+        theirs(ours.size());
+    cpu::pack_b(M, K, src.data(), K, ours.data(), unit);
+    cpu::pack_b(M, K, src.data(), K, theirs.data(), ProductUnit::portable);
+    EXPECT_EQ(ours, theirs) << "pack_b K=" << M << " N=" << K;
+  }
+}
+
+TEST_P(NativeUnit, ProductsMatchTheReferenceAndLeaveOtherRowsAlone) {
+  const ProductUnit unit = GetParam();
+  for (const int64_t M : {1, 5, 16, 17, 33, 64, 70, 128})
+    for (const int64_t N : {16, 48, 64, 80, 144})
+      for (const int64_t K : {1, 2, 31, 33, 64, 100, 128}) {
+        const std::vector<float> a = random_floats(M * K, 1 + M, false),
+                                 b = random_floats(K * N, 2 + N, false);
+        std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K));
+        std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
+        cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
+        cpu::pack_b(K, N, b.data(), N, B.data(), unit);
+        for (const bool accumulate : {false, true}) {
+          const int64_t ldc = N + 16;  // columns past N and rows past M are canaries
+          std::vector<float> C = random_floats((M + 3) * ldc, 3, false), want = C;
+          cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, accumulate);
+          cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, accumulate);
+          for (int64_t m = 0; m < M + 3; ++m)
+            for (int64_t n = 0; n < ldc; ++n) {
+              const float got = C[m * ldc + n], ref = want[m * ldc + n];
+              if (m >= M || n >= N) {
+                ASSERT_EQ(std::memcmp(&got, &ref, sizeof got), 0) << "wrote outside C at " << m << "," << n;
+                continue;
+              }
+              // fp32 sums of exact products, against double sums: K roundings of at most the
+              // running sum's magnitude.
+              double scale = accumulate ? std::fabs(ref) : 0.0;
+              for (int64_t p = 0; p < K; ++p)
+                scale += std::fabs(cpu::bf16_value(A[m * cpu::packed_depth(K) + p]) *
+                                   cpu::bf16_value(B[p / 2 * 2 * cpu::packed_cols(N) + 2 * n + p % 2]));
+              ASSERT_LE(std::fabs(got - ref), 1e-6 * scale + 1e-30)
+                  << cpu::product_unit_name(unit) << " M=" << M << " N=" << N << " K=" << K << " at " << m
+                  << "," << n << " accumulate=" << accumulate;
+            }
+        }
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Units, NativeUnit, ::testing::Values(ProductUnit::amx, ProductUnit::avx512_bf16),
+                         [](const auto& info) { return std::string(cpu::product_unit_name(info.param)); });
+
+}  // namespace
+}  // namespace kda::test
