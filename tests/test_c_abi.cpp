@@ -401,29 +401,62 @@ void expect_rejected(Fixture& f, const std::string& needle, Call call) {
   EXPECT_TRUE(bitwise_equal(before, f.snapshot())) << "an output was written by a rejected call";
 }
 
+// kda_chunk_forward with `options` and kda::chunk_forward with `opt` write the same bits.
+void expect_same_forward(Fixture& f, const kda_run_options& options, const kda::RunOptions& opt) {
+  f.fill_outputs(-7.0f);
+  const kda_forward_inputs in = f.c_inputs();
+  const kda_forward_outputs out = f.c_outputs();
+  ASSERT_EQ(kda_chunk_forward(&f.cp, &in, &out, &options), KDA_OK) << kda_last_error();
+  const auto via_c = f.snapshot();
+  f.fill_outputs(-7.0f);
+  kda::chunk_forward(f.p, f.cpp_inputs(), f.cpp_outputs(), opt);
+  EXPECT_TRUE(bitwise_equal(via_c, f.snapshot()));
+}
+
 // kda_run_options.forward_kernel reaches the C++ option; an unknown value is rejected by name.
 TEST(CAbi, ForwardKernelOption) {
   Fixture f;
   for (int32_t kernel : {KDA_FORWARD_AUTOMATIC, KDA_FORWARD_CHUNKED, KDA_FORWARD_RECURRENT}) {
     SCOPED_TRACE(kernel);
-    f.fill_outputs(-7.0f);
     kda_run_options options = kOneThread;
     options.forward_kernel = kernel;
-    const kda_forward_inputs in = f.c_inputs();
-    const kda_forward_outputs out = f.c_outputs();
-    ASSERT_EQ(kda_chunk_forward(&f.cp, &in, &out, &options), KDA_OK) << kda_last_error();
-    const auto via_c = f.snapshot();
-    f.fill_outputs(-7.0f);
     kda::RunOptions opt{1};
     opt.forward_kernel = static_cast<kda::ForwardKernel>(kernel);
-    kda::chunk_forward(f.p, f.cpp_inputs(), f.cpp_outputs(), opt);
-    EXPECT_TRUE(bitwise_equal(via_c, f.snapshot()));
+    expect_same_forward(f, options, opt);
   }
   kda_run_options bad = kOneThread;
   bad.forward_kernel = 5;
   const kda_forward_inputs in = f.c_inputs();
   const kda_forward_outputs out = f.c_outputs();
   expect_rejected(f, "forward_kernel", [&] { return kda_chunk_forward(&f.cp, &in, &out, &bad); });
+}
+
+// kda_run_options.precision (appended in 0.4) reaches the C++ option; a 0.3 caller's shorter struct
+// reads it as exact, and an unknown value is rejected by name.
+TEST(CAbi, PrecisionOption) {
+  Fixture f;
+  for (int32_t precision : {KDA_PRECISION_EXACT, KDA_PRECISION_BF16}) {
+    SCOPED_TRACE(precision);
+    kda_run_options options = kOneThread;
+    options.precision = precision;
+    kda::RunOptions opt{1};
+    opt.precision = static_cast<kda::Precision>(precision);
+    expect_same_forward(f, options, opt);
+  }
+  // A 0.3 caller: its struct ends before reserved0; whatever follows it in memory is not read.
+  kda_run_options old = kOneThread;
+  old.struct_size = offsetof(kda_run_options, reserved0) + 4;
+  old.precision = KDA_PRECISION_BF16;
+  expect_same_forward(f, old, kda::RunOptions{1});
+  const kda_forward_inputs in = f.c_inputs();
+  const kda_forward_outputs out = f.c_outputs();
+  kda_run_options bad = kOneThread;
+  bad.precision = 3;
+  expect_rejected(f, "precision", [&] { return kda_chunk_forward(&f.cp, &in, &out, &bad); });
+  bad.precision = KDA_PRECISION_BF16;
+  expect_rejected(f, "precision", [&] { return kda_recurrent_forward(&f.cp, &in, &out, &bad); });
+  ASSERT_NE(kda_bf16_product_unit(), nullptr);
+  EXPECT_STREQ(kda_bf16_product_unit(), kda::bf16_product_unit());
 }
 
 TEST(CAbi, NullStructPointersNameTheArgument) {

@@ -1,6 +1,7 @@
 // KDA_CPU_TARGET pins the SIMD target the kernels dispatch to; ctest runs the parity suites once per
-// target (tests/CMakeLists.txt). A target this build did not compile or this CPU cannot run makes the
-// whole program exit with 77, which ctest reports as skipped.
+// target (tests/CMakeLists.txt), and the bf16 suites once per bf16 product unit (KDA_BF16_UNIT). A
+// target or unit this build did not compile or this CPU cannot run makes the whole program exit with
+// 77, which ctest reports as skipped.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +22,15 @@ std::string upper(std::string s) {
 class PinnedTarget : public ::testing::Environment {
  public:
   void SetUp() override {
+    if (const char* unit = std::getenv("KDA_BF16_UNIT"); unit != nullptr && *unit != '\0') {
+      try {
+        std::printf("KDA_BF16_UNIT=%s: bf16 products run on %s\n", unit, kda::bf16_product_unit());
+      } catch (const kda::Error& e) {
+        std::printf("skipped: %s\n", e.what());
+        std::fflush(stdout);
+        std::exit(77);
+      }
+    }
     const char* env = std::getenv("KDA_CPU_TARGET");
     if (env == nullptr || *env == '\0') return;
     try {

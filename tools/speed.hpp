@@ -72,7 +72,9 @@ struct SpeedResult {
 };
 
 // Which forward a timing runs.
-enum class ForwardPath { prefill, chunked_kernel, recurrent_kernel };
+// prefill: chunk_forward as a caller runs it (exact); bf16_products: chunk_forward with
+// RunOptions::precision = bf16 (the chunked kernel's products on the CPU's bf16 units).
+enum class ForwardPath { prefill, chunked_kernel, recurrent_kernel, bf16_products };
 
 inline std::string threads_tag(int threads) {
   return " (" + std::to_string(threads) + (threads == 1 ? " thread)" : " threads)");
@@ -85,6 +87,7 @@ inline std::function<void()> forward_call(const kda::harness::Data& d, ForwardPa
   namespace hs = kda::harness;
   kda::RunOptions o{threads};
   if (path == ForwardPath::chunked_kernel) o.forward_kernel = kda::ForwardKernel::chunked;
+  if (path == ForwardPath::bf16_products) o.precision = kda::Precision::bf16;
   auto buffers = std::make_shared<std::unique_ptr<hs::ForwardOut>>();
   return [&d, buffers, o, path] {
     if (!*buffers)

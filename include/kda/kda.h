@@ -252,11 +252,19 @@ typedef struct kda_context kda_context;
  * for the shape and thread count alone. */
 enum { KDA_FORWARD_AUTOMATIC = 0, KDA_FORWARD_CHUNKED = 1, KDA_FORWARD_RECURRENT = 2 };
 
+/* How kda_chunk_forward computes its matrix products (kda::Precision): EXACT, fp32 throughout (the
+ * default, and every other function's only choice); BF16 (opt-in), the chunked kernel with each matrix
+ * product on bf16 operands summed in fp32, on the CPU's bf16 units (kda_bf16_product_unit()). */
+enum { KDA_PRECISION_EXACT = 0, KDA_PRECISION_BF16 = 1 };
+
 typedef struct kda_run_options {
   uint32_t struct_size;
   int32_t num_threads;    /* 0: KDA_NUM_THREADS if set, else the hardware concurrency */
   kda_context* context;   /* NULL: the process-wide context */
   int32_t forward_kernel; /* KDA_FORWARD_* (default AUTOMATIC); kda_chunk_forward only */
+  int32_t reserved0;      /* the 0.3 layout's trailing padding: ignored, never a field (see Versioning) */
+  /* Appended in 0.4 (see Versioning): */
+  int32_t precision; /* KDA_PRECISION_* (default EXACT); kda_chunk_forward only */
 } kda_run_options;
 
 /* Initialisers: the struct's size, every other field zero. Designated, so that -Wextra's
@@ -289,6 +297,12 @@ KDA_API const char* kda_last_error(void);
 
 /* A short constant name for a status code ("KDA_OK", ...). */
 KDA_API const char* kda_status_string(kda_status status);
+
+/* (0.4) The unit KDA_PRECISION_BF16's products run on: "amx", "avx512_bf16" or "portable" (fp32
+ * products of bf16-rounded operands), the best this CPU and its kernel allow, or the one the
+ * environment variable KDA_BF16_UNIT names; NULL (see kda_last_error) when that names one this CPU
+ * lacks. */
+KDA_API const char* kda_bf16_product_unit(void);
 
 /* (0.4) Writes a problem with every field at its default (batch 1, default scale, K-first state, log-decay
  * gate, given beta, gate_lower_bound -5, per-key gate width; the shape fields 0, to be set) into

@@ -294,11 +294,27 @@ const char* kernel_name(KernelId k);
 // runs the same kernel (route() applies the rule; docs/api.md states it).
 enum class ForwardKernel : int32_t { automatic = 0, chunked = 1, recurrent = 2 };
 
+// How chunk_forward computes its matrix products. exact: fp32 throughout, the default and the only
+// choice of every other entry point. bf16 (opt-in): the chunked kernel with each matrix product on
+// bf16 operands summed in fp32, on the CPU's bf16 units where it has them (AMX, AVX512-BF16; see
+// bf16_product_unit()), the same rounding in fp32 products where it has none; the gates, exponentials,
+// the triangular solve and the states stay fp32. Not exact: its error against the float64 oracle is
+// that of bf16 operands (docs/math.md, "bf16 products").
+enum class Precision : int32_t { exact = 0, bf16 = 1 };
+
 struct RunOptions {
   int num_threads = 0;         // 0: KDA_NUM_THREADS if set, else the hardware concurrency
   Context* context = nullptr;  // null: Context::global()
   ForwardKernel forward_kernel = ForwardKernel::automatic;  // chunk_forward only
+  Precision precision = Precision::exact;  // chunk_forward only; bf16 runs the chunked kernel
 };
+
+// The unit Precision::bf16's products run on: "amx", "avx512_bf16" or "portable" (fp32 products of
+// bf16-rounded operands), the best this CPU and its kernel allow or the one the environment variable
+// KDA_BF16_UNIT names (read once; one this CPU lacks makes this and every bf16 call throw kda::Error).
+const char* bf16_product_unit();
+// The units this CPU runs, best first.
+std::vector<std::string> bf16_product_units();
 
 // The SIMD target the CPU kernels run on this machine, picked at run time (e.g. "AVX3" for AVX-512,
 // "AVX2", "SCALAR"): the best of simd_targets(), or the one the environment variable KDA_CPU_TARGET

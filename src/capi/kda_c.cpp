@@ -57,14 +57,19 @@ void set_error(const char* prefix, const char* message) {
 
 // The size of a struct's first layout (kda 0.2), which struct_size 0 stands for. Fields appended
 // since are read as zero (their defaults) from a caller built against an older header. kda_problem's
-// first layout ended in 4 bytes of padding (reserved0 now), so its appended fields start after them.
+// first layout ended in 4 bytes of padding (reserved0 now), so its appended fields start after them;
+// so did kda_run_options's.
 template <typename T>
 constexpr size_t first_layout_size() {
   if constexpr (std::is_same_v<T, kda_problem>)
     return offsetof(kda_problem, gate_width);
+  else if constexpr (std::is_same_v<T, kda_run_options>)
+    return offsetof(kda_run_options, precision);  // through the 0.2 layout's padding (reserved0 now)
   else
     return sizeof(T);
 }
+static_assert(offsetof(kda_run_options, precision) == offsetof(kda_run_options, forward_kernel) + 8,
+              "kda_run_options's first layout ends 4 bytes of padding after forward_kernel");
 static_assert(offsetof(kda_problem, gate_width) == offsetof(kda_problem, beta_mode) + 8,
               "kda_problem's first layout ends 4 bytes of padding after beta_mode");
 
@@ -287,6 +292,7 @@ kda::RunOptions to_cpp(const kda_run_options* c, const char* function) {
   opt.num_threads = o.num_threads;
   opt.context = o.context != nullptr ? &o.context->context : nullptr;
   opt.forward_kernel = static_cast<kda::ForwardKernel>(o.forward_kernel);  // checked by the C++ API
+  opt.precision = static_cast<kda::Precision>(o.precision);                // read as 0 (exact) from 0.3's
   return opt;
 }
 
@@ -365,6 +371,11 @@ const char* kda_status_string(kda_status status) {
     case KDA_ERROR_NOT_SUPPORTED: return "KDA_ERROR_NOT_SUPPORTED";
   }
   return "unknown kda_status";
+}
+
+const char* kda_bf16_product_unit(void) {
+  const char* unit = nullptr;
+  return guarded([&] { unit = kda::bf16_product_unit(); }) == KDA_OK ? unit : nullptr;
 }
 
 kda_status kda_problem_init(kda_problem* p, size_t struct_size) {

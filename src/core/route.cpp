@@ -34,8 +34,24 @@ Route recurrent_or_decode(const Plan& plan, const Backend& b, bool chunk_states,
 }  // namespace
 
 Route route(Entry entry, const Plan& plan, const Backend& b, const RunOptions& opt, bool chunk_states) {
+  if (opt.precision != Precision::exact && opt.precision != Precision::bf16)
+    throw Error("kda: argument 'precision': expected exact (0) or bf16 (1), got " +
+                std::to_string(static_cast<int>(opt.precision)));
+  if (opt.precision == Precision::bf16 && entry != Entry::chunk_forward)
+    throw Error(std::string("kda: argument 'precision': bf16 products are chunk_forward's option; ") +
+                entry_name(entry) + " computes in fp32 only (precision exact)");
   switch (entry) {
     case Entry::chunk_forward:
+      if (opt.precision == Precision::bf16) {
+        if (opt.forward_kernel == ForwardKernel::recurrent)
+          throw Error(
+              "kda: argument 'precision': bf16 products run in the chunked kernel; forward_kernel recurrent "
+              "asks for the token-by-token one (pass automatic or chunked)");
+        return {
+            KernelId::chunked_forward, b.name,
+            "the caller asked for bf16 products (precision bf16): the chunked kernel, its matrix products "
+            "on bf16 operands summed in fp32"};
+      }
       switch (opt.forward_kernel) {
         case ForwardKernel::chunked:
           return {KernelId::chunked_forward, b.name, "the caller asked for the chunked kernel"};

@@ -2,6 +2,8 @@
 // threads and working memory (core::Runner) and runs its kernel.
 #include "cpu/backend.hpp"
 
+#include "cpu/bf16_units.hpp"
+
 namespace kda::cpu {
 namespace {
 
@@ -50,5 +52,13 @@ int simd_hardware_vector_bits() {
 }
 
 std::vector<std::string> simd_targets() { return cpu::available_targets(); }
+
+const char* bf16_product_unit() { return cpu::product_unit_name(cpu::product_unit()); }
+
+std::vector<std::string> bf16_product_units() {
+  std::vector<std::string> names;
+  for (cpu::ProductUnit u : cpu::available_product_units()) names.emplace_back(cpu::product_unit_name(u));
+  return names;
+}
 
 }  // namespace kda

@@ -4,6 +4,8 @@
 // processed with its state in a per-thread K-first tile that stays in cache.
 // Per chunk (docs/math.md, "The chunked (WY) form"), with S the entering state:
 //   Vn = U - W S          O = (scale Q e^G) S + P Vn          S' = e^{G_last} S + (K e^{G_last - G})^T Vn
+// With RunOptions::precision = bf16 the matrix products (those, and L and P's off-diagonal blocks) take
+// bf16 operands with fp32 sums (ChunkProducts); the gates, exponentials, the WY solve and S stay fp32.
 #include <memory>
 #include <vector>
 
@@ -50,9 +52,10 @@ struct ForwardWork {
 };
 
 void forward_group(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out, int64_t n_seq,
-                   int64_t hv0, int64_t heads, ForwardWork& fw) {
+                   int64_t hv0, int64_t heads, Precision precision, ForwardWork& fw) {
   const core::Sequence& seq = plan.sequences[n_seq];
   ChunkWork& w = fw.chunk;
+  w.products.use(precision, plan.K, plan.V);  // a context's workspace may have served the other precision
   const int64_t V = plan.V, Vp = w.Vp, ldx = w.ldx;
   core::PhaseClock clock(core::Kernel::chunk_forward);
   for (int64_t j = 0; j < heads; ++j) load_state(plan, plan.initial[n_seq], hv0 + j, fw.state(j), Vp);
@@ -73,11 +76,16 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
       prepare_gathered_chunk(w, n, plan.scale, plan.per_head_gate(), clock);
       make_vn_in_place(w, n, S);
       const float* Vn = w.U();
-      gemm(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
+      w.products(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
       clock.lap(core::Phase::state_products);
-      for (int64_t s = 0; s < n; s += kSub) {
-        const int64_t e = std::min(s + kSub, n);
-        gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
+      if (w.products.bf16()) {
+        // One product over P's lower triangle (zero above it): one packing of Vn, not one per sub-chunk.
+        w.products(n, Vp, n, w.P.data(), C, 1, Vn, ldx, O, Vp, Accumulate::add);
+      } else {
+        for (int64_t s = 0; s < n; s += kSub) {
+          const int64_t e = std::min(s + kSub, n);
+          gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
+        }
       }
       clock.lap(core::Phase::intra_output);
       advance_state(w, n, S, S, Vn, ldx);
@@ -94,14 +102,14 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
 }
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                  core::Runner& run) {
+                  Precision precision, core::Runner& run) {
   const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t items = plan.num_sequences() * groups;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
   run.parallel_for(items, [&](int64_t item, int worker) {
     const int64_t hv0 = item % groups * heads;
-    forward_group(plan, in, out, item / groups, hv0, std::min(heads, plan.HV - hv0),
+    forward_group(plan, in, out, item / groups, hv0, std::min(heads, plan.HV - hv0), precision,
                   *work[static_cast<size_t>(worker)]);
   });
 }
@@ -133,7 +141,8 @@ HWY_EXPORT(VectorBits);
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
   core::Runner run = runner_for(opt);
-  HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, run);
+  if (opt.precision == Precision::bf16) product_unit();  // an unknown KDA_BF16_UNIT fails before any work
+  HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, opt.precision, run);
 }
 
 const char* simd_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }

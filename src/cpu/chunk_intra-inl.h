@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "core/phase_clock.hpp"
+#include "cpu/bf16_units.hpp"
 #include "cpu/simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -28,6 +29,77 @@ namespace kda::cpu::HWY_NAMESPACE {
 
 inline constexpr int64_t C = kChunkSize;
 inline constexpr int64_t kSub = kSubChunkSize;
+
+// dst = src with every element rounded to bf16 (bf16_units.hpp's rule: ties to even, subnormals to a
+// signed zero, NaN kept), as floats: rows x cols (cols a multiple of kPad), both with leading dimension ld.
+inline void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const auto keep_high = hn::Set(di, static_cast<int32_t>(0xffff0000u));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += L) {
+      const auto u = hn::BitCast(di, hn::LoadU(d, src + r * ld + c));
+      const auto magnitude = hn::And(u, hn::Set(di, 0x7fffffff));
+      const auto tie_to_even = hn::And(hn::ShiftRight<16>(magnitude), hn::Set(di, 1));
+      const auto rounded = hn::And(hn::Add(u, hn::Add(hn::Set(di, 0x7fff), tie_to_even)), keep_high);
+      const auto quiet_nan = hn::And(hn::Or(u, hn::Set(di, 0x00400000)), keep_high);
+      const auto signed_zero = hn::And(u, hn::Set(di, static_cast<int32_t>(0x80000000u)));
+      auto out = hn::IfThenElse(hn::Lt(magnitude, hn::Set(di, 0x00800000)), signed_zero, rounded);
+      out = hn::IfThenElse(hn::Gt(magnitude, hn::Set(di, 0x7f800000)), quiet_nan, out);
+      hn::StoreU(hn::BitCast(d, out), d, dst + r * ld + c);
+    }
+}
+
+// The matrix products of a chunk: fp32 FMAs (every exact kernel), or, for the chunked forward with
+// RunOptions::precision = bf16, each operand rounded to bf16 and the products summed in fp32, on the
+// bf16 unit product_unit() picked (AMX, AVX512-BF16) or, on the portable unit, by the fp32 products
+// over operands rounded in place: the same rounding, only the order of the fp32 sums differs.
+class ChunkProducts {
+ public:
+  // fp32 products, or bf16 ones on `unit`; sized for K, V up to kMaxHeadDim (the buffers come once).
+  void use(Precision precision, int64_t K, int64_t V) {
+    bf16_ = precision == Precision::bf16;
+    if (!bf16_) return;
+    unit_ = cpu::product_unit();
+    // Rounded copies keep their operand's layout: at most max(C, K) rows of a chunk row [W | U] long.
+    const int64_t copy = std::max<int64_t>(C, K) * (padded(K) + padded(V));
+    const int64_t side = std::max<int64_t>({K, padded(V), C});
+    if (unit_ == cpu::ProductUnit::portable) {
+      if (a32_.size() < static_cast<size_t>(copy))
+        a32_.reset(static_cast<size_t>(copy)), b32_.reset(static_cast<size_t>(copy));
+    } else if (a16_.size() == 0) {
+      a16_.reset(static_cast<size_t>(cpu::packed_rows(side) * cpu::packed_depth(side)));
+      b16_.reset(static_cast<size_t>(cpu::packed_depth(side) * cpu::packed_cols(side)));
+    }
+  }
+  bool bf16() const { return bf16_; }
+
+  // C[M, N] (=, +=, -=) A[M, inner] * B[inner, N], as gemm() takes them.
+  void operator()(int64_t M, int64_t N, int64_t inner, const float* A, int64_t a_rs, int64_t a_cs,
+                  const float* B, int64_t ldb, float* Cm, int64_t ldc, Accumulate mode) {
+    if (!bf16_) return gemm(M, N, inner, A, a_rs, a_cs, B, ldb, Cm, ldc, mode);
+    if (unit_ == cpu::ProductUnit::portable) {
+      // Rounded copies with A's and B's own layouts: A's rows (or, transposed, its columns) and B's rows.
+      const int64_t width = padded(a_cs == 1 ? inner : M);
+      if (a_cs == 1)
+        round_to_bf16(A, M, width, a_rs, a32_.data());
+      else
+        round_to_bf16(A, inner, width, a_cs, a32_.data());
+      round_to_bf16(B, inner, N, ldb, b32_.data());
+      return gemm(M, N, inner, a32_.data(), a_rs, a_cs, b32_.data(), ldb, Cm, ldc, mode);
+    }
+    cpu::pack_a(M, inner, A, a_rs, a_cs, mode == Accumulate::subtract, a16_.data(), unit_);
+    cpu::pack_b(inner, N, B, ldb, b16_.data(), unit_);
+    cpu::native_gemm(unit_, M, N, inner, a16_.data(), b16_.data(), Cm, ldc, mode != Accumulate::overwrite);
+  }
+
+ private:
+  bool bf16_ = false;
+  cpu::ProductUnit unit_ = cpu::ProductUnit::portable;
+  Buffer<float> a32_, b32_;     // portable: rounded copies
+  Buffer<uint16_t> a16_, b16_;  // native units: packed operands
+};
 
 // Working memory for one chunk of one (sequence, value head); one per thread, reused across chunks.
 struct ChunkWork {
@@ -41,13 +113,14 @@ struct ChunkWork {
   Buffer<float> Kg;                                // [C][Kp]: k * exp(G)
   Buffer<float> Kd;                                // [C][Kp]: k * exp(G_last - G)
   Buffer<float> decay_last;                        // [Kp]: exp(G_last)
-  Buffer<float> L, P;    // [C][C]: beta_i k_i.k_j E_ij (j < i); scale q_i.k_j E_ij (j <= i); zero above
-  Buffer<float> X;       // [C][ldx]: [W | U] after solve_wy (ldx = Kp + Vp)
-  Buffer<float> fq;      // [kSub][Kp]: exp(G_i - G_s) of one query sub-chunk (anchored_factors)
-  Buffer<float> fk;      // [C][Kp]: exp(G_s - G_j) for the rows before it
-  Buffer<float> qa, ka;  // [kSub][Kp]: anchored query-side factors of one sub-chunk
-  Buffer<float> kbT;     // [Kp][C]: anchored key-side factors, transposed
-  Buffer<float> row;     // [Kp] scratch
+  Buffer<float> L, P;      // [C][C]: beta_i k_i.k_j E_ij (j < i); scale q_i.k_j E_ij (j <= i); zero above
+  Buffer<float> X;         // [C][ldx]: [W | U] after solve_wy (ldx = Kp + Vp)
+  Buffer<float> fq;        // [kSub][Kp]: exp(G_i - G_s) of one query sub-chunk (anchored_factors)
+  Buffer<float> fk;        // [C][Kp]: exp(G_s - G_j) for the rows before it
+  Buffer<float> qa, ka;    // [kSub][Kp]: anchored query-side factors of one sub-chunk
+  Buffer<float> kbT;       // [Kp][C]: anchored key-side factors, transposed
+  Buffer<float> row;       // [Kp] scratch
+  ChunkProducts products;  // fp32, or the forward's opt-in bf16 products (use())
 
   ChunkWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), ldx(Kp + Vp) {
     q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
@@ -222,8 +295,8 @@ inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
       const float* kj = w.k.data() + j * Kp;
       for (int64_t c = 0; c < K; ++c) kbT[c * C + j] = kj[c] * f[c];
     }
-    if (need_p) gemm(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
-    gemm(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);
+    if (need_p) w.products(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
+    w.products(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);
   }
 }
 
@@ -272,8 +345,8 @@ inline void build_intra_scalar(ChunkWork& w, int64_t n, float scale, bool need_p
   float* kT = w.kbT.data();  // [Kp][C]: K^T, zero past row n
   std::fill(kT, kT + Kp * C, 0.0f);
   transpose(w.k.data(), Kp, n, w.K, kT, C);
-  gemm(n, C, w.K, w.k.data(), Kp, 1, kT, C, Lm, C, Accumulate::overwrite);
-  if (need_p) gemm(n, C, w.K, w.q.data(), Kp, 1, kT, C, Pm, C, Accumulate::overwrite);
+  w.products(n, C, w.K, w.k.data(), Kp, 1, kT, C, Lm, C, Accumulate::overwrite);
+  if (need_p) w.products(n, C, w.K, w.q.data(), Kp, 1, kT, C, Pm, C, Accumulate::overwrite);
   for (int64_t i = 0; i < n; ++i) {
     float* Li = Lm + i * C;
     float* Pi = Pm + i * C;
@@ -348,14 +421,14 @@ inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const
 
 // Vn = U - W S, written over U (rows [0, n)); S is the K-first state entering the chunk.
 inline void make_vn_in_place(ChunkWork& w, int64_t n, const float* S) {
-  gemm(n, w.Vp, w.K, w.W(), w.ldx, 1, S, w.Vp, w.U(), w.ldx, Accumulate::subtract);
+  w.products(n, w.Vp, w.K, w.W(), w.ldx, 1, S, w.Vp, w.U(), w.ldx, Accumulate::subtract);
 }
 
 // The state leaving the chunk: S_out = diag(e^{G_last}) S_in + Kd^T Vn (S_out may be S_in).
-inline void advance_state(const ChunkWork& w, int64_t n, const float* S_in, float* S_out, const float* Vn,
+inline void advance_state(ChunkWork& w, int64_t n, const float* S_in, float* S_out, const float* Vn,
                           int64_t ldv) {
   for (int64_t kk = 0; kk < w.K; ++kk) scale_row(w.decay_last[kk], S_in + kk * w.Vp, S_out + kk * w.Vp, w.Vp);
-  gemm(w.K, w.Vp, n, w.Kd.data(), 1, w.Kp, Vn, ldv, S_out, w.Vp, Accumulate::add);
+  w.products(w.K, w.Vp, n, w.Kd.data(), 1, w.Kp, Vn, ldv, S_out, w.Vp, Accumulate::add);
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE

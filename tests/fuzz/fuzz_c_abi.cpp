@@ -547,6 +547,7 @@ int run_one(const uint8_t* bytes, size_t size) {
   opt.context = fz.ConsumeBool() ? shared_context() : nullptr;
   opt.forward_kernel =
       rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int32_t>(-1, 4) : fz.ConsumeIntegralInRange<int32_t>(0, 2);
+  opt.precision = rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int32_t>(-1, 3) : (rare(fz, 0.2f) ? 1 : 0);
   vopt.finish(fz);
   const kda_run_options* options = rare(fz, 0.2f) ? nullptr : &opt;
 
