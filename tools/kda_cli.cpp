@@ -755,6 +755,12 @@ int run_decode(const Options& o) {
   return 0;
 }
 
+std::string join(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
 // Prints, for each shape, what every entry point runs (chunk states kept or not where that matters).
 int run_route(const Options& o) {
   std::vector<std::pair<int64_t, int64_t>> shapes;  // (B, T)
@@ -785,6 +791,13 @@ int run_route(const Options& o) {
       std::printf("  %-30s -> %-20s [%s] %s\n", name.c_str(), kda::kernel_name(r.kernel), r.backend,
                   r.reason);
     }
+    // The opt-in bf16 products (RunOptions::precision) and the unit they run on here.
+    kda::RunOptions bf16;
+    bf16.precision = kda::Precision::bf16;
+    const kda::Route r = kda::route(kda::Entry::chunk_forward, prepared, bf16, false);
+    std::printf("  %-30s -> %-20s [%s] %s; unit %s (of %s)\n", "chunk_forward, precision bf16",
+                kda::kernel_name(r.kernel), r.backend, r.reason, kda::bf16_product_unit(),
+                join(kda::bf16_product_units()).c_str());
   }
   return 0;
 }

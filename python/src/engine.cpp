@@ -193,6 +193,17 @@ kda::GateWidth gate_width(const std::string& name) {
              "expected 'per_key' (KDA) or 'per_head' (the gated delta rule), got '" + name + "'");
 }
 
+// A call's run options: its thread count and how chunk_forward computes its products.
+kda::RunOptions run_options(int num_threads, const std::string& precision) {
+  kda::RunOptions opt{num_threads};
+  if (precision == "bf16")
+    opt.precision = kda::Precision::bf16;
+  else if (precision != "exact")
+    fail_value("precision",
+               "expected 'exact' or 'bf16' (chunk_forward's opt-in bf16 products), got '" + precision + "'");
+  return opt;
+}
+
 // Copies cu_seqlens (int32 or int64, any stride) into `offsets`; the C++ validation checks its values.
 void read_offsets(const InArray& cu, std::vector<int64_t>& offsets) {
   check_on_cpu("cu_seqlens", cu);
@@ -357,7 +368,8 @@ void forward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, c
                    const InArray& g, const InArray& beta, const OutArray& o, const OptIn& A_log,
                    const OptIn& dt_bias, const OptIn& initial_state, const OptOut& final_state,
                    const OptOut& chunk_states, const OptOut& pool, const OptIn& pool_indices,
-                   const OptIn& has_initial_state, int num_threads) {
+                   const OptIn& has_initial_state, int num_threads, const std::string& precision) {
+  const kda::RunOptions opt = run_options(num_threads, precision);
   const SideShapes s(p);
   kda::ForwardInputs in = forward_inputs(p, s, q, k, v, g, beta, A_log, dt_bias, initial_state);
   kda::PooledStates pooled;
@@ -376,7 +388,7 @@ void forward_entry(const kda::Prepared& p, const InArray& q, const InArray& k, c
   out.final_state = packed_out("final_state", final_state, s.state);
   out.chunk_states = packed_out("chunk_states", chunk_states, s.chunk_states);
   nb::gil_scoped_release release;
-  kda::forward(E, p, in, out, kda::RunOptions{num_threads});
+  kda::forward(E, p, in, out, opt);
 }
 
 template <kda::Entry E>
@@ -589,6 +601,10 @@ NB_MODULE(_engine, m) {
   m.def("simd_target", &kda::simd_target,
         "The SIMD target the kernels dispatch to on this CPU (KDA_CPU_TARGET, read once, may pin one).");
   m.def("simd_targets", &kda::simd_targets, "The SIMD targets of this build that this CPU runs, best first.");
+  m.def("bf16_product_unit", &kda::bf16_product_unit,
+        "The unit chunk_forward's precision='bf16' products run on: 'amx', 'avx512_bf16' or 'portable' "
+        "(KDA_BF16_UNIT, read once, may pin one).");
+  m.def("bf16_product_units", &kda::bf16_product_units, "The bf16 product units this CPU runs, best first.");
   m.def("validation_count", &kda::validation_count,
         "How many problems this process has validated (one per engine call; for tests).");
 
@@ -608,19 +624,21 @@ NB_MODULE(_engine, m) {
         .def_prop_ro("gate_dim", [](const kda::Prepared& p) { return p.shapes().gate_dim; })
         .def(
             "route",
-            [](const kda::Prepared& p, const std::string& entry, bool chunk_states) {
+            [](const kda::Prepared& p, const std::string& entry, bool chunk_states,
+               const std::string& precision) {
               std::string names;
               for (kda::Entry e : kda::kEntries) {
                 if (entry == kda::entry_name(e)) {
-                  const kda::Route r = kda::route(e, p, {}, chunk_states);
+                  const kda::Route r = kda::route(e, p, run_options(0, precision), chunk_states);
                   return nb::make_tuple(kda::kernel_name(r.kernel), r.backend, r.reason);
                 }
                 names += std::string(names.empty() ? "" : ", ") + kda::entry_name(e);
               }
               fail_value("entry", "expected one of " + names + "; got '" + entry + "'");
             },
-            nb::arg("entry"), nb::arg("chunk_states") = false,
-            "(kernel, backend, reason): what the entry point runs for this problem, and why.");
+            nb::arg("entry"), nb::arg("chunk_states") = false, nb::arg("precision") = "exact",
+            "(kernel, backend, reason): what the entry point runs for this problem with these run options, "
+            "and why.");
   }
   // The problem options, defined once: prepare() is the only function that takes them.
   m.def("prepare", &prepare, nb::arg("q"), nb::arg("v"), nb::arg("cu_seqlens").none() = nb::none(),
@@ -649,15 +667,18 @@ NB_MODULE(_engine, m) {
 
   const char* fwd_doc =
       "(problem, q, k, v, g, beta, o, *, A_log, dt_bias, initial_state, final_state, chunk_states, pool, "
-      "pool_indices, has_initial_state, num_threads): writes o (and final_state, chunk_states when given; "
+      "pool_indices, has_initial_state, num_threads, precision): writes o (and final_state, chunk_states "
+      "when given; precision 'bf16' (chunk_forward only, opt-in): the chunked kernel's matrix products on "
+      "bf16 "
+      "operands summed in fp32; "
       "with pool and pool_indices the states come from and go to pool slots).";
   const char* bwd_doc =
       "(problem, q, k, v, g, beta, d_o, dq, dk, dv, dg, dbeta, *, A_log, dt_bias, initial_state, "
       "d_final_state, chunk_states, d_initial_state, dA_log, ddt_bias, num_threads): writes every gradient.";
   m.def("chunk_forward", &forward_entry<kda::Entry::chunk_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
-        nb::arg("num_threads") = 0, fwd_doc);
+        nb::arg("num_threads") = 0, nb::arg("precision") = "exact", fwd_doc);
   m.def("recurrent_forward", &forward_entry<kda::Entry::recurrent_forward>, KDA_FORWARD_ARGS, KDA_POOL_ARGS,
-        nb::arg("num_threads") = 0, fwd_doc);
+        nb::arg("num_threads") = 0, nb::arg("precision") = "exact", fwd_doc);
   m.def("chunk_backward", &backward_entry<kda::Entry::chunk_backward>, KDA_BACKWARD_ARGS,
         nb::arg("chunk_states").none() = nb::none(), nb::arg("d_initial_state").none() = nb::none(),
         nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(),
