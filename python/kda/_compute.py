@@ -36,6 +36,18 @@ def problem_of(
     )
 
 
+def chunk_path(kwargs, pooled, cp_context):
+    """The chunked path a call's ``precision`` keyword picks (kda's addition to fla's signatures):
+    "exact" (the default) or "bf16", the chunked forward's matrix products on bf16 operands summed in
+    fp32 (the CPU's AMX or AVX512-BF16 units; docs/math.md, "bf16 products"), its backward exact."""
+    precision = kwargs.get("precision", "exact")
+    if precision not in ("exact", "bf16"):
+        raise ValueError(f"kda: precision must be 'exact' or 'bf16', got {precision!r}")
+    if precision == "bf16" and (pooled or cp_context is not None):
+        raise NotImplementedError("kda: precision='bf16' is not available with a state pool or cp_context")
+    return "chunk" if precision == "exact" else "chunk_bf16"
+
+
 def run(
     path,
     q,

@@ -25,6 +25,7 @@ function's, bit for bit. Whether nothing watches is read from private ``torch._C
 without one of them turns this fast route off (``FAST_ROUTE``) and every call takes the op.
 """
 
+import functools
 import os
 from collections import namedtuple
 from operator import itemgetter
@@ -356,6 +357,14 @@ PATHS = {
     p.name: p.register()
     for p in (
         _Path("chunk", _engine.chunk_forward, _engine.chunk_backward, torch.float32, threaded=True),
+        # precision="bf16" (opt-in): the chunked forward's products on bf16 operands; the backward exact.
+        _Path(
+            "chunk_bf16",
+            functools.partial(_engine.chunk_forward, precision="bf16"),
+            _engine.chunk_backward,
+            torch.float32,
+            threaded=True,
+        ),
         _Path(
             "recurrent", _engine.recurrent_forward, _engine.recurrent_backward, torch.float32, threaded=True
         ),

@@ -23,13 +23,21 @@ import torch.nn.functional as F
 from . import _ops
 from . import cp as _cp
 from ._arguments import RECURRENT_KWARGS, check_tensors, gate_mode, reject_unknown, state_v_first_of
-from ._compute import problem_of, run
+from ._compute import chunk_path, problem_of, run
 from .serving import fused_recurrent_kda_fwd, pooled_prefill
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"]
 
 _CHUNK_KWARGS = frozenset(
-    {"A_log", "dt_bias", "chunk_size", "transpose_state_layout", "ssm_state_indices", "has_initial_state"}
+    {
+        "A_log",
+        "dt_bias",
+        "chunk_size",
+        "transpose_state_layout",
+        "ssm_state_indices",
+        "has_initial_state",
+        "precision",
+    }
 )
 
 
@@ -86,6 +94,11 @@ def chunk_kda(
     engine is exact for any gate, bounded or not; fla's bound checks still apply), ``disable_recompute``,
     ``use_graph`` and ``max_num_seqs``. Not supported (``NotImplementedError``): a headwise beta
     ``[B, T, HV, V]``, ``return_intermediate_states`` with ``chunk_size=32``.
+
+    ``precision`` (kda's addition, through ``**kwargs``): "exact" (the default) or "bf16", the chunked
+    forward's matrix products on bf16 operands summed in fp32 on the CPU's AMX or AVX512-BF16 units
+    (``kda.engine.bf16_product_unit()``): within 5e-3 of exact, not exact; the backward stays exact.
+    Not with a state pool or ``cp_context`` (``NotImplementedError``).
 
     ``cp_context`` (context parallelism over ``torch.distributed``, ``kda.cp.build_cp_context``): the
     tensors are this rank's shard of a packed B = 1 batch (the context's ``cu_seqlens`` replace
@@ -161,6 +174,7 @@ def chunk_kda(
         allow_neg_eigval,
     )
 
+    path = chunk_path(kwargs, pooled, cp_context)
     if pooled:
         if return_intermediate_states:
             raise NotImplementedError("kda: return_intermediate_states is not available with a state pool")
@@ -192,7 +206,7 @@ def chunk_kda(
 
     h_dtype = k.dtype
     o, final, chunks = run(
-        "chunk",
+        path,
         q,
         k,
         v,

@@ -26,7 +26,7 @@ from ._arguments import (
     reject_unknown,
     state_v_first_of,
 )
-from ._compute import problem_of, run
+from ._compute import chunk_path, problem_of, run
 from .functional import fused_recurrent_kda
 from .serving import pooled_prefill
 
@@ -47,6 +47,7 @@ _CHUNK_KWARGS = frozenset(
         "head_first",
         "ssm_state_indices",
         "has_initial_state",
+        "precision",
     }
 )
 
@@ -84,7 +85,8 @@ def chunk_gated_delta_rule(
     pooled prefill: with ``ssm_state_indices`` (``[N]``), ``initial_state`` is a state pool; sequence n
     starts from slot ``ssm_state_indices[n]`` (zeros where ``has_initial_state[n]`` is False or the
     index is negative) and its final state goes back there; returns ``(o, pool)`` (inference only).
-    Any other keyword: ``TypeError`` naming it.
+    ``precision="bf16"`` (kda's addition too): the chunked forward's matrix products on bf16 operands,
+    as for ``kda.chunk_kda``. Any other keyword: ``TypeError`` naming it.
 
     ``use_beta_sigmoid_in_kernel`` / ``allow_neg_eigval``: beta given as logits (``sigmoid(beta)`` or
     ``2 sigmoid(beta)``); ``use_qk_l2norm_in_kernel``: ``x / sqrt(sum(x^2) + 1e-6)`` of q and k rows;
@@ -130,7 +132,9 @@ def chunk_gated_delta_rule(
         allow_neg_eigval,
         gate_width="per_head",
     )
-    if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
+    pooled = "ssm_state_indices" in kwargs or "has_initial_state" in kwargs
+    path = chunk_path(kwargs, pooled, cp_context)
+    if pooled:
         return pooled_prefill(
             q,
             k,
@@ -145,7 +149,7 @@ def chunk_gated_delta_rule(
             dt_bias=dt_bias,
         )
     o, final, _ = run(
-        "chunk",
+        path,
         q,
         k,
         v,

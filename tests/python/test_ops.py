@@ -64,7 +64,7 @@ _OP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
+@pytest.mark.parametrize("path", ("chunk", "chunk_bf16", "recurrent", "reference"))
 @pytest.mark.parametrize("case", _OP_CASES, ids=str)
 def test_opcheck_forward(path, case):
     dtype = torch.float64 if path == "reference" else None
@@ -72,7 +72,7 @@ def test_opcheck_forward(path, case):
         torch.library.opcheck(_ops.PATHS[path].forward_op, _op_args(case, True, keep, dtype))
 
 
-@pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
+@pytest.mark.parametrize("path", ("chunk", "chunk_bf16", "recurrent", "reference"))
 @pytest.mark.parametrize("case", _OP_CASES, ids=str)
 def test_opcheck_backward(path, case):
     dtype = torch.float64 if path == "reference" else None
@@ -89,7 +89,7 @@ def test_opcheck_backward(path, case):
 
 def test_ops_are_registered_under_the_package_namespace():
     assert _ops.NAMESPACE == "kda"
-    for path in ("chunk", "recurrent", "reference"):
+    for path in ("chunk", "chunk_bf16", "recurrent", "reference"):
         for kind in ("fwd", "bwd"):
             assert hasattr(getattr(torch.ops.kda, f"{path}_{kind}"), "default")
 

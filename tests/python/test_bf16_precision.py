@@ -1,0 +1,81 @@
+"""precision="bf16" (kda's addition to chunk_kda and chunk_gated_delta_rule): the chunked forward's
+matrix products on bf16 operands, fp32 sums, on the CPU's bf16 unit. Against the float64 oracle within
+definitions.txt's forward_bf16 limit in every gate regime, both families, fp32 and bf16 inputs; its
+backward is the exact one (the same gradients as an exact forward given the bf16 forward's states,
+within the exact limits); exact stays the default; bad values are errors naming the argument."""
+
+import kda
+import pytest
+import torch
+from harness import GATE_SETTINGS, Case, as_oracle, make_inputs, rel_rms, tolerance
+
+FUNCTIONS = {"per_key": "chunk_kda", "per_head": "chunk_gated_delta_rule"}
+
+
+def _call(function, tensors, options, **extra):
+    return getattr(kda, function)(**tensors, output_final_state=True, **options, **extra)
+
+
+@pytest.mark.parametrize("gate_width", ["per_key", "per_head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "regime,extra", GATE_SETTINGS, ids=[f"{r}-{e.get('gate', 'log')}" for r, e in GATE_SETTINGS]
+)
+def test_within_the_bf16_limit_of_the_oracle(regime, extra, dtype, gate_width):
+    if gate_width == "per_head" and extra.get("gate") == "lower_bound":
+        pytest.skip("the gated delta rule has no lower-bound gate (fla's chunk_gated_delta_rule)")
+    case = Case(T=200, H=2, HV=4, K=64, V=48, regime=regime, dtype=dtype, gate_width=gate_width, **extra)
+    tensors, options = make_inputs(case)
+    function = FUNCTIONS[gate_width]
+    o, final = _call(function, tensors, options, precision="bf16")
+    want_o, want_final = _call(function, *as_oracle(tensors, options))
+    assert o.dtype == dtype and final.dtype == torch.float32
+    assert rel_rms(o, want_o) <= tolerance("forward_bf16", dtype, "o")
+    assert rel_rms(final, want_final) <= tolerance("forward_bf16", torch.float32, "state")
+
+
+def test_exact_is_the_default_and_bf16_differs():
+    tensors, options = make_inputs(Case(T=130, K=64, V=64))
+    exact, _ = kda.chunk_kda(**tensors, **options)
+    named, _ = kda.chunk_kda(**tensors, **options, precision="exact")
+    bf16, _ = kda.chunk_kda(**tensors, **options, precision="bf16")
+    assert torch.equal(exact, named)
+    assert not torch.equal(exact, bf16)  # the products really were rounded
+
+
+def test_backward_is_the_exact_backward():
+    case = Case(T=150, H=2, HV=2, K=32, V=32, regime="strong")
+    tensors, options = make_inputs(case)
+    grads = {}
+    for precision in ("exact", "bf16"):
+        inputs = {n: t.clone().requires_grad_() for n, t in tensors.items()}
+        o, final = kda.chunk_kda(**inputs, **options, output_final_state=True, precision=precision)
+        (o.sum() + final.sum()).backward()
+        grads[precision] = {n: t.grad for n, t in inputs.items()}
+    # The bf16 forward's states differ from the exact ones by bf16 rounding; the backward computes in
+    # fp32 from them, so the gradients differ by that much, not more.
+    for name in tensors:
+        assert rel_rms(grads["bf16"][name], grads["exact"][name]) <= tolerance(
+            "forward_bf16", torch.float32, "o"
+        )
+
+
+def test_bad_values_and_unsupported_combinations():
+    tensors, options = make_inputs(Case(T=20))
+    with pytest.raises(ValueError, match="precision"):
+        kda.chunk_kda(**tensors, **options, precision="fp8")
+    with pytest.raises(NotImplementedError, match="precision"):
+        pool = torch.zeros(3, 2, 32, 32)
+        kda.chunk_kda(
+            **tensors,
+            initial_state=pool,
+            ssm_state_indices=torch.tensor([1]),
+            precision="bf16",
+        )
+    with pytest.raises(TypeError, match="precision"):
+        kda.fused_recurrent_kda(**tensors, **options, precision="bf16")
+
+
+def test_engine_names_its_unit():
+    units = kda.engine.bf16_product_units()
+    assert units[-1] == "portable" and kda.engine.bf16_product_unit() in units
