@@ -56,6 +56,7 @@ IMPLS = {
     # name: short label (table / plot)
     "kda_gdn": "kda chunk_gated_delta_rule",
     "kda_gdn_recurrent": "kda fused_recurrent_gated_delta_rule",
+    "kda_gdn_bf16": "kda chunk_gated_delta_rule, precision='bf16'",
     "kda_kda": "kda chunk_kda (gate spread over K)",
     "hf_chunk": "transformers torch_chunk_gated_delta_rule",
     "hf_recurrent": "transformers torch_recurrent_gated_delta_rule",
@@ -158,6 +159,10 @@ def _function(impl):
 
     if impl == "kda_kda":
         return lambda q, k, v, g, b: kda.chunk_kda(q, k, v, g, b, output_final_state=True)[0]
+    if impl == "kda_gdn_bf16":  # the opt-in bf16 products (issue 39)
+        return lambda q, k, v, g, b: kda.chunk_gated_delta_rule(
+            q, k, v, g, b, output_final_state=True, precision="bf16"
+        )[0]
     if impl == "kda_gdn_recurrent":
         return lambda q, k, v, g, b: kda.fused_recurrent_gated_delta_rule(
             q, k, v, g=g, beta=b, output_final_state=True
@@ -439,6 +444,30 @@ def print_targets(args, results, decode_summary):
     line("forward faster than torch_chunk_gated_delta_rule at T=4096", 15, [e for e in hf_fwd if e[1]], False)
     hf_train = [(f"HV={h} T=2048", ratio(results, "fwdbwd", "hf_chunk", h, "fp32", 2048)) for h in args.H]
     line("forward+backward faster than torch_chunk at T=2048", 15, [e for e in hf_train if e[1]], False)
+    # Issue 39: the opt-in bf16 products against vLLM's kernel (AMX) and against kda's exact prefill.
+    bf16_vs_vllm = []
+    for h in args.H:
+        a, v = (
+            results.get(key("fwd", "kda_gdn_bf16", h, "bf16", 4096)),
+            results.get(key("fwd", "vllm", h, "bf16", 4096)),
+        )
+        if a and v and "seconds" in a and "seconds" in v:
+            bf16_vs_vllm.append(
+                (f"HV={h} T=4096", (v["seconds"] / a["seconds"], a.get("error"), v.get("error")))
+            )
+    print("\nissue 39's targets (bf16 products; this run's unit decides which apply):")
+    line("GDN prefill with precision='bf16' faster than vLLM's kernel (bf16, T=4096)", 4, bf16_vs_vllm, False)
+    exact_vs = []
+    for h, d, t in shapes:
+        r = ratio(results, "fwd", "kda_gdn_bf16", h, d, t)
+        if r:
+            exact_vs.append((f"HV={h} {d} T={t}", (1 / r[0], r[2], r[1])))
+    line(
+        "GDN prefill with precision='bf16' over kda's exact prefill (AMX: 2.5x, AVX512-BF16: 1.5x)",
+        2.5,
+        exact_vs,
+        False,
+    )
     if decode_summary is not None:
         print(
             f"  GDN decode >= 85% of the RMW pass at N >= 32: met in {sum(decode_summary)} of "

@@ -488,6 +488,8 @@ int run_shape(const Options& o, const hs::Case& s) {
              [&] { kda_demo::time_forward(d, kda_demo::ForwardPath::chunked_kernel, t, 0, ""); });
     profiled("the prefill (recurrent kernel)",
              [&] { kda_demo::time_forward(d, kda_demo::ForwardPath::prefill, t, 0, ""); });
+    profiled("the chunked kernel with bf16 products (" + std::string(kda::bf16_product_unit()) + ")",
+             [&] { kda_demo::time_forward(d, kda_demo::ForwardPath::bf16_products, t, 0, ""); });
     if (o.backward)
       profiled("a training step (forward keeping chunk states, backward)",
                [&] { kda_demo::time_training(d, ct, t, 0, ""); });
