@@ -10,6 +10,12 @@
 #include "kda/kda.hpp"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12's widening and narrowing intrinsics start from its own _mm512_undefined_* (a variable
+// initialised with itself) and -Wmaybe-uninitialized flags that once they are inlined here: nothing
+// of ours is read uninitialised.
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
