@@ -16,6 +16,7 @@
 #if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -32,15 +33,39 @@ namespace kda::cpu {
 namespace {
 
 #if KDA_X86_UNITS
+// The CPU's word (CPUID) and the operating system's (XCR0: which register states it saves) on each
+// unit; read directly, as compilers' __builtin_cpu_supports know different feature names.
+struct CpuId {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  CpuId(unsigned leaf, unsigned sub) {
+    if (!__get_cpuid_count(leaf, sub, &a, &b, &c, &d)) a = b = c = d = 0;
+  }
+};
+
+uint64_t xcr0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+bool avx512_bf16_runs() {
+  if (!(CpuId(1, 0).c & (1u << 27))) return false;  // OSXSAVE: XCR0 readable
+  if ((xcr0() & 0xe6) != 0xe6) return false;        // SSE, AVX, opmask and both halves of ZMM saved
+  const CpuId l7(7, 0), l7s1(7, 1);
+  const bool f = l7.b & (1u << 16), bw = l7.b & (1u << 30), vl = l7.b & (1u << 31);
+  return f && bw && vl && (l7s1.a & (1u << 5));  // AVX512F, BW, VL and BF16
+}
+
 // Linux keeps AMX's 8 KiB of tile state off until a process asks for it (arch_prctl with
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX instruction before that faults.
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
 bool amx_granted() {
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-      !__builtin_cpu_supports("avx512bf16"))
-    return false;
+  const CpuId l7(7, 0);
+  const bool tile = l7.d & (1u << 24), bf16 = l7.d & (1u << 22);
+  if (!tile || !bf16 || !avx512_bf16_runs()) return false;
+  if ((xcr0() & (3ull << 17)) != (3ull << 17)) return false;  // the OS saves tile config and data
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 #endif
@@ -48,10 +73,8 @@ bool amx_granted() {
 std::vector<ProductUnit> detect_units() {
   std::vector<ProductUnit> units;
 #if KDA_X86_UNITS
-  __builtin_cpu_init();
   if (amx_granted()) units.push_back(ProductUnit::amx);
-  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"))
-    units.push_back(ProductUnit::avx512_bf16);
+  if (avx512_bf16_runs()) units.push_back(ProductUnit::avx512_bf16);
 #endif
   units.push_back(ProductUnit::portable);
   return units;
