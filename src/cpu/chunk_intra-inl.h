@@ -62,8 +62,9 @@ class ChunkProducts {
     bf16_ = precision == Precision::bf16;
     if (!bf16_) return;
     unit_ = cpu::product_unit();
-    // Rounded copies keep their operand's layout: at most max(C, K) rows of a chunk row [W | U] long.
-    const int64_t copy = std::max<int64_t>(C, K) * (padded(K) + padded(V));
+    // Rounded copies keep their operand's layout: at most max(C, K) rows (S's K, a chunk's C) of at most
+    // a chunk row [W | U] or a row of P (C) each.
+    const int64_t copy = std::max<int64_t>(C, K) * std::max<int64_t>(padded(K) + padded(V), C);
     const int64_t side = std::max<int64_t>({K, padded(V), C});
     if (unit_ == cpu::ProductUnit::portable) {
       if (a32_.size() < static_cast<size_t>(copy))
