@@ -62,7 +62,7 @@ TEST(Bf16Units, PackedLayoutsHoldEveryElementAndZeroPadding) {
   std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K), 0xffff);
   std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N), 0xffff);
   cpu::pack_a(M, K, a.data(), K, 1, true, A.data(), ProductUnit::portable);
-  cpu::pack_b(K, N, b.data(), N, B.data(), ProductUnit::portable);
+  cpu::pack_b(K, N, b.data(), N, 1, B.data(), ProductUnit::portable);
   const int64_t lda = cpu::packed_depth(K), ldb = 2 * cpu::packed_cols(N);
   for (int64_t m = 0; m < cpu::packed_rows(M); ++m)
     for (int64_t p = 0; p < lda; ++p)
@@ -94,12 +94,17 @@ TEST_P(NativeUnit, PacksTheSameBitsAsThePortableCode) {
       cpu::pack_a(M, K, src.data(), rs, cs, transposed, theirs.data(), ProductUnit::portable);
       EXPECT_EQ(ours, theirs) << "pack_a M=" << M << " K=" << K << " transposed=" << transposed;
     }
-    // The same values as B, K x M.
+    // The same values as B, M x K, and transposed (src's rows as B's columns), K x M.
     std::vector<uint16_t> ours(cpu::packed_depth(M) / 2 * 2 * cpu::packed_cols(K), 0x1234),
         theirs(ours.size());
-    cpu::pack_b(M, K, src.data(), K, ours.data(), unit);
-    cpu::pack_b(M, K, src.data(), K, theirs.data(), ProductUnit::portable);
+    cpu::pack_b(M, K, src.data(), K, 1, ours.data(), unit);
+    cpu::pack_b(M, K, src.data(), K, 1, theirs.data(), ProductUnit::portable);
     EXPECT_EQ(ours, theirs) << "pack_b K=" << M << " N=" << K;
+    std::vector<uint16_t> ours_t(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(M), 0x1234),
+        theirs_t(ours_t.size(), 0x4321);
+    cpu::pack_b(K, M, src.data(), 1, K, ours_t.data(), unit);
+    cpu::pack_b(K, M, src.data(), 1, K, theirs_t.data(), ProductUnit::portable);
+    EXPECT_EQ(ours_t, theirs_t) << "transposed pack_b K=" << K << " N=" << M;
   }
 }
 
@@ -113,12 +118,16 @@ TEST_P(NativeUnit, ProductsMatchTheReferenceAndLeaveOtherRowsAlone) {
         std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K));
         std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
         cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
-        cpu::pack_b(K, N, b.data(), N, B.data(), unit);
-        for (const bool accumulate : {false, true}) {
-          const int64_t ldc = N + 16;  // columns past N and rows past M are canaries
+        cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
+        for (const int mode : {0, 1, 2}) {  // C = A B, C += A B, C = diag(row_scale) C + A B
+          const int64_t ldc = N + 16;       // columns past N and rows past M are canaries
           std::vector<float> C = random_floats((M + 3) * ldc, 3, false), want = C;
-          cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, accumulate);
-          cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, accumulate);
+          const std::vector<float> row_scale = random_floats(M, 4, false);
+          cpu::Combine combine;
+          combine.accumulate = mode == 1;
+          combine.row_scale = mode == 2 ? row_scale.data() : nullptr;
+          cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, combine);
+          cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, combine);
           for (int64_t m = 0; m < M + 3; ++m)
             for (int64_t n = 0; n < ldc; ++n) {
               const float got = C[m * ldc + n], ref = want[m * ldc + n];
@@ -127,14 +136,14 @@ TEST_P(NativeUnit, ProductsMatchTheReferenceAndLeaveOtherRowsAlone) {
                 continue;
               }
               // fp32 sums of exact products, against double sums: K roundings of at most the
-              // running sum's magnitude.
-              double scale = accumulate ? std::fabs(ref) : 0.0;
+              // running sum's magnitude, and the combination's.
+              double scale = mode == 0 ? 0.0 : std::fabs(ref);
               for (int64_t p = 0; p < K; ++p)
                 scale += std::fabs(cpu::bf16_value(A[m * cpu::packed_depth(K) + p]) *
                                    cpu::bf16_value(B[p / 2 * 2 * cpu::packed_cols(N) + 2 * n + p % 2]));
               ASSERT_LE(std::fabs(got - ref), 1e-6 * scale + 1e-30)
                   << cpu::product_unit_name(unit) << " M=" << M << " N=" << N << " K=" << K << " at " << m
-                  << "," << n << " accumulate=" << accumulate;
+                  << "," << n << " mode=" << mode;
             }
         }
       }

@@ -151,59 +151,128 @@ void pack_a_portable(int64_t M, int64_t K, const float* src, int64_t rs, int64_t
     }
 }
 
-void pack_b_portable(int64_t K, int64_t N, const float* src, int64_t ld, uint16_t* dst) {
+void pack_b_portable(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs, uint16_t* dst) {
   const int64_t ldb = 2 * packed_cols(N);
   std::fill(dst, dst + packed_depth(K) / 2 * ldb, uint16_t{0});
   for (int64_t p = 0; p < K; ++p)
-    for (int64_t n = 0; n < N; ++n) dst[p / 2 * ldb + 2 * n + p % 2] = bf16_bits(src[p * ld + n]);
+    for (int64_t n = 0; n < N; ++n) dst[p / 2 * ldb + 2 * n + p % 2] = bf16_bits(src[p * rs + n * cs]);
 }
 
 #if KDA_X86_UNITS
-// 16 floats (the first `count`) rounded to bf16, in the low 16 bits of each 32-bit lane.
-KDA_AVX512BF16_FN inline __m512i bf16_lanes(const float* x, int64_t count, bool negate) {
+// The first `count` of 16 floats (clamped to 0..16), negated when asked; the other lanes +0.
+KDA_AVX512BF16_FN inline __m512 load_lanes(const float* x, int64_t count, bool negate) {
+  if (count <= 0) return _mm512_setzero_ps();
   const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << count) - 1);
   __m512 v = _mm512_maskz_loadu_ps(mask, x);
   if (negate)  // only the lanes read: padding stays +0
     v = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(v), mask, _mm512_castps_si512(v),
                                                   _mm512_set1_epi32(INT32_MIN)));
-  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return v;
+}
+
+// 16 floats rounded to bf16, in the low 16 bits of each 32-bit lane.
+KDA_AVX512BF16_FN inline __m512i bf16_lanes(const float* x, int64_t count, bool negate) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(load_lanes(x, count, negate)));
+}
+
+// 32 consecutive floats (the first `count`) as 16 words of bf16 pairs: word i = (x[2i], x[2i + 1]).
+KDA_AVX512BF16_FN inline __m512i bf16_pairs(const float* x, int64_t count, bool negate) {
+  const __m512 lo = load_lanes(x, count, negate), hi = load_lanes(x + 16, count - 16, negate);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// Word i of the result = (bf16 of a[i], bf16 of b[i]): two rows' elements paired, as B's layout pairs
+// rows of depth.
+KDA_AVX512BF16_FN inline __m512i interleave_rows(__m512i a, __m512i b) {
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+// r[i][j] <-> r[j][i] for a 16 x 16 block of 32-bit words.
+KDA_AVX512BF16_FN inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + c] holds, in its 128-bit lane L, column 4L + c of rows 4q..4q + 3: gather the lanes.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
 }
 
 KDA_AVX512BF16_FN void pack_a_avx512(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs,
                                      bool negate, uint16_t* dst) {
-  const int64_t lda = packed_depth(K);
-  std::fill(dst, dst + packed_rows(M) * lda, uint16_t{0});
+  const int64_t lda = packed_depth(K), words = lda / 2;
   if (cs == 1) {  // rows of A are rows of src
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t p = 0; p < K; p += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + m * lda + p),
-                            _mm512_cvtepi32_epi16(bf16_lanes(src + m * rs + p, K - p, negate)));
+    for (int64_t m = 0; m < packed_rows(M); ++m)
+      for (int64_t p = 0; p < lda; p += 32)
+        _mm512_storeu_si512(dst + m * lda + p,
+                            m < M ? bf16_pairs(src + m * rs + p, K - p, negate) : _mm512_setzero_si512());
     return;
   }
-  if (rs == 1) {  // columns of A are rows of src: convert 16 at a time, store them down a column
-    alignas(64) uint32_t lanes[16];
-    for (int64_t p = 0; p < K; ++p)
-      for (int64_t m = 0; m < M; m += 16) {
-        _mm512_store_si512(lanes, bf16_lanes(src + p * cs + m, M - m, negate));
-        const int64_t count = std::min<int64_t>(16, M - m);
-        for (int64_t i = 0; i < count; ++i) dst[(m + i) * lda + p] = static_cast<uint16_t>(lanes[i]);
+  if (rs == 1) {  // columns of A are rows of src: pair rows of src, then transpose 16 x 16 words
+    uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+    __m512i r[16];
+    for (int64_t m = 0; m < packed_rows(M); m += 16)
+      for (int64_t w = 0; w < words; w += 16) {
+        for (int j = 0; j < 16; ++j) {
+          const int64_t p = 2 * (w + j);
+          const __m512i lo = p < K ? bf16_lanes(src + p * cs + m, M - m, negate) : _mm512_setzero_si512();
+          const __m512i hi =
+              p + 1 < K ? bf16_lanes(src + (p + 1) * cs + m, M - m, negate) : _mm512_setzero_si512();
+          r[j] = interleave_rows(lo, hi);
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (m + i) * words + w, r[i]);
       }
     return;
   }
   pack_a_portable(M, K, src, rs, cs, negate, dst);
 }
 
-KDA_AVX512BF16_FN void pack_b_avx512(int64_t K, int64_t N, const float* src, int64_t ld, uint16_t* dst) {
-  const int64_t Np = packed_cols(N), ldb = 2 * Np, pairs = packed_depth(K) / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t k0 = 2 * p, k1 = 2 * p + 1;
-    for (int64_t n = 0; n < Np; n += 16) {
-      const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, N - n));
-      const __m512i lo = k0 < K ? bf16_lanes(src + k0 * ld + n, count, false) : _mm512_setzero_si512();
-      const __m512i hi = k1 < K ? bf16_lanes(src + k1 * ld + n, count, false) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + p * ldb + 2 * n, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+KDA_AVX512BF16_FN void pack_b_avx512(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs,
+                                     uint16_t* dst) {
+  const int64_t Np = packed_cols(N), pairs = packed_depth(K) / 2;
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  if (cs == 1) {  // rows of B are rows of src: pair adjacent rows
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t k0 = 2 * p, k1 = 2 * p + 1;
+      for (int64_t n = 0; n < Np; n += 16) {
+        const __m512i lo = k0 < K ? bf16_lanes(src + k0 * rs + n, N - n, false) : _mm512_setzero_si512();
+        const __m512i hi = k1 < K ? bf16_lanes(src + k1 * rs + n, N - n, false) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + p * Np + n, interleave_rows(lo, hi));
+      }
     }
+    return;
   }
+  if (rs == 1) {  // columns of B are rows of src: each row already holds its pairs; transpose 16 x 16 words
+    __m512i r[16];
+    for (int64_t n = 0; n < Np; n += 16)
+      for (int64_t p = 0; p < pairs; p += 16) {
+        for (int i = 0; i < 16; ++i)
+          r[i] =
+              n + i < N ? bf16_pairs(src + (n + i) * cs + 2 * p, K - 2 * p, false) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int j = 0; j < 16 && p + j < pairs; ++j) _mm512_storeu_si512(out + (p + j) * Np + n, r[j]);
+      }
+    return;
+  }
+  pack_b_portable(K, N, src, rs, cs, dst);
 }
 #endif
 
@@ -220,23 +289,27 @@ void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool
   pack_a_portable(M, K, src, rs, cs, negate, dst);
 }
 
-void pack_b(int64_t K, int64_t N, const float* src, int64_t ld, uint16_t* dst, ProductUnit unit) {
+void pack_b(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs, uint16_t* dst, ProductUnit unit) {
 #if KDA_X86_UNITS
-  if (native(unit)) return pack_b_avx512(K, N, src, ld, dst);
+  if (native(unit)) return pack_b_avx512(K, N, src, rs, cs, dst);
 #endif
   (void)unit;
-  pack_b_portable(K, N, src, ld, dst);
+  pack_b_portable(K, N, src, rs, cs, dst);
 }
 
 void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C,
-                    int64_t ldc, bool accumulate) {
+                    int64_t ldc, Combine combine) {
   const int64_t lda = packed_depth(K), ldb = 2 * packed_cols(N);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
-      double sum = accumulate ? C[m * ldc + n] : 0.0;
+      double sum = 0.0;
       for (int64_t p = 0; p < K; ++p)
         sum += static_cast<double>(bf16_value(A[m * lda + p])) * bf16_value(B[p / 2 * ldb + 2 * n + p % 2]);
-      C[m * ldc + n] = static_cast<float>(sum);
+      float& c = C[m * ldc + n];
+      if (combine.row_scale != nullptr)
+        c = static_cast<float>(static_cast<double>(combine.row_scale[m]) * c + sum);
+      else
+        c = static_cast<float>(combine.accumulate ? c + sum : sum);
     }
 }
 
@@ -245,15 +318,23 @@ void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const ui
 #if KDA_X86_UNITS
 namespace {
 
+// C row (16 floats) combined with a row of the product, as `combine` says.
+KDA_AVX512BF16_FN inline void combine_row(float* c, __m512 product, const Combine& combine, int64_t row) {
+  if (combine.row_scale != nullptr)
+    product = _mm512_fmadd_ps(_mm512_set1_ps(combine.row_scale[row]), _mm512_loadu_ps(c), product);
+  else if (combine.accumulate)
+    product = _mm512_add_ps(_mm512_loadu_ps(c), product);
+  _mm512_storeu_ps(c, product);
+}
+
 // AVX512-BF16: a register tile of MR rows x NV vectors of 16 columns; each step takes one pair of A's
 // row (broadcast) against one pair-row of B (16 pairs a vector).
 template <int MR, int NV>
 KDA_AVX512BF16_FN void avx512_tile(int64_t pairs, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                   int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+                                   int64_t ldb, float* C, int64_t ldc, const Combine& combine, int64_t row0) {
   __m512 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v)
-      acc[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh b[NV];
     for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + 32 * v);
@@ -265,22 +346,22 @@ KDA_AVX512BF16_FN void avx512_tile(int64_t pairs, const uint16_t* A, int64_t lda
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) combine_row(C + r * ldc + 16 * v, acc[r][v], combine, row0 + r);
 }
 
 template <int MR>
 KDA_AVX512BF16_FN void avx512_rows(int nv, int64_t pairs, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                   int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+                                   int64_t ldb, float* C, int64_t ldc, const Combine& combine, int64_t row0) {
   switch (nv) {
-    case 1: return avx512_tile<MR, 1>(pairs, A, lda, B, ldb, C, ldc, accumulate);
-    case 2: return avx512_tile<MR, 2>(pairs, A, lda, B, ldb, C, ldc, accumulate);
-    case 3: return avx512_tile<MR, 3>(pairs, A, lda, B, ldb, C, ldc, accumulate);
-    default: return avx512_tile<MR, 4>(pairs, A, lda, B, ldb, C, ldc, accumulate);
+    case 1: return avx512_tile<MR, 1>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
+    case 2: return avx512_tile<MR, 2>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
+    case 3: return avx512_tile<MR, 3>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
+    default: return avx512_tile<MR, 4>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
   }
 }
 
 KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
-                                   float* C, int64_t ldc, bool accumulate) {
+                                   float* C, int64_t ldc, const Combine& combine) {
   constexpr int kRows = 6;  // 6 x 4 accumulators, 4 B vectors and a broadcast: 29 of 32 registers
   const int64_t lda = packed_depth(K), ldb = 2 * packed_cols(N), pairs = packed_depth(K) / 2;
   for (int64_t n = 0; n < N; n += 64) {
@@ -288,15 +369,15 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
     const uint16_t* Bn = B + 2 * n;
     int64_t m = 0;
     for (; m + kRows <= M; m += kRows)
-      avx512_rows<kRows>(nv, pairs, A + m * lda, lda, Bn, ldb, C + m * ldc + n, ldc, accumulate);
+      avx512_rows<kRows>(nv, pairs, A + m * lda, lda, Bn, ldb, C + m * ldc + n, ldc, combine, m);
     const uint16_t* Am = A + m * lda;
     float* Cm = C + m * ldc + n;
     switch (M - m) {
-      case 1: avx512_rows<1>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, accumulate); break;
-      case 2: avx512_rows<2>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, accumulate); break;
-      case 3: avx512_rows<3>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, accumulate); break;
-      case 4: avx512_rows<4>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, accumulate); break;
-      case 5: avx512_rows<5>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, accumulate); break;
+      case 1: avx512_rows<1>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
+      case 2: avx512_rows<2>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
+      case 3: avx512_rows<3>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
+      case 4: avx512_rows<4>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
+      case 5: avx512_rows<5>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
       default: break;
     }
   }
@@ -304,7 +385,9 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
 
 // AMX: tiles 0-3 hold a 2 x 2 block of 16 x 16 fp32 results, 4-5 two 16-row slices of A (16 rows x 32
 // bf16), 6-7 two 16-column slices of B (16 pair-rows x 16 pairs); each TDPBF16PS is 16 x 16 x 32
-// products. A result tile whose rows pass M goes through `stage`, so no row of C past M is touched.
+// products. The result tiles start from zero and reach C through vector code: a tile load of C right
+// after the vector stores that wrote it (the WY solve's U, the previous product's O) waits for those
+// stores to drain, and measured 10-20x the arithmetic's time on a 64 x 128 x 128 product.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -313,46 +396,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-struct ResultTile {
-  float* C;       // where the tile's 16 x 16 block of C starts
-  int64_t ldc;    // C's leading dimension
-  int64_t valid;  // rows of the block that are C's (the rest go nowhere)
-  float* stage;   // 16 x 16 floats for a partial block
-};
-
-#define KDA_AMX_LOAD_RESULT(tile, r)                                                  \
-  do {                                                                                \
-    if (!accumulate) {                                                                \
-      _tile_zero(tile);                                                               \
-    } else if ((r).valid == 16) {                                                     \
-      _tile_loadd(tile, (r).C, (r).ldc * 4);                                          \
-    } else {                                                                          \
-      std::fill((r).stage, (r).stage + 256, 0.0f);                                    \
-      for (int64_t i = 0; i < (r).valid; ++i)                                         \
-        std::copy((r).C + i * (r).ldc, (r).C + i * (r).ldc + 16, (r).stage + i * 16); \
-      _tile_loadd(tile, (r).stage, 64);                                               \
-    }                                                                                 \
-  } while (0)
-
-#define KDA_AMX_STORE_RESULT(tile, r)                                                \
-  do {                                                                               \
-    if ((r).valid == 16) {                                                           \
-      _tile_stored(tile, (r).C, (r).ldc * 4);                                        \
-    } else {                                                                         \
-      _tile_stored(tile, (r).stage, 64);                                             \
-      for (int64_t i = 0; i < (r).valid; ++i)                                        \
-        std::copy((r).stage + i * 16, (r).stage + i * 16 + 16, (r).C + i * (r).ldc); \
-    }                                                                                \
-  } while (0)
-
-// One block of 1 or 2 row tiles x 1 or 2 column tiles over the whole depth.
+// One block of 1 or 2 row tiles x 1 or 2 column tiles over the whole depth; tile 2i + j goes to
+// stage[2i + j], or, with `direct`, straight to its place in C (rows i, columns j of the block).
 template <int RT, int CT>
 KDA_AMX_FN void amx_block(int64_t depth, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                          const ResultTile* r, bool accumulate) {
-  KDA_AMX_LOAD_RESULT(0, r[0]);
-  if constexpr (CT == 2) KDA_AMX_LOAD_RESULT(1, r[1]);
-  if constexpr (RT == 2) KDA_AMX_LOAD_RESULT(2, r[2]);
-  if constexpr (RT == 2 && CT == 2) KDA_AMX_LOAD_RESULT(3, r[3]);
+                          float (*stage)[256], float* direct, int64_t ldc) {
+  _tile_zero(0);
+  if constexpr (CT == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
   for (int64_t k = 0; k < depth; k += 32) {
     _tile_loadd(4, A + k, lda * 2);
     _tile_loadd(6, B + k / 2 * ldb, ldb * 2);
@@ -367,60 +419,103 @@ KDA_AMX_FN void amx_block(int64_t depth, const uint16_t* A, int64_t lda, const u
       if constexpr (CT == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  KDA_AMX_STORE_RESULT(0, r[0]);
-  if constexpr (CT == 2) KDA_AMX_STORE_RESULT(1, r[1]);
-  if constexpr (RT == 2) KDA_AMX_STORE_RESULT(2, r[2]);
-  if constexpr (RT == 2 && CT == 2) KDA_AMX_STORE_RESULT(3, r[3]);
+  if (direct != nullptr) {
+    _tile_stored(0, direct, ldc * 4);
+    if constexpr (CT == 2) _tile_stored(1, direct + 16, ldc * 4);
+    if constexpr (RT == 2) _tile_stored(2, direct + 16 * ldc, ldc * 4);
+    if constexpr (RT == 2 && CT == 2) _tile_stored(3, direct + 16 * ldc + 16, ldc * 4);
+    return;
+  }
+  _tile_stored(0, stage[0], 64);
+  if constexpr (CT == 2) _tile_stored(1, stage[1], 64);
+  if constexpr (RT == 2) _tile_stored(2, stage[2], 64);
+  if constexpr (RT == 2 && CT == 2) _tile_stored(3, stage[3], 64);
 }
 
-#undef KDA_AMX_LOAD_RESULT
-#undef KDA_AMX_STORE_RESULT
+// Whether this thread's tiles hold our configuration (an AmxSession is open on it).
+thread_local bool tl_configured = false;
 
-KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C,
-                         int64_t ldc, bool accumulate) {
-  const int64_t depth = packed_depth(K), lda = depth, ldb = 2 * packed_cols(N);
-  // The configuration is per thread and anything else on this thread (oneDNN under torch) may have
-  // loaded its own: load ours for every product and release the tiles after.
+constexpr TileConfig tile_config() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
+  return config;
+}
+// A constant in memory: GCC 12 drops the stores that fill a local configuration before LDTILECFG reads
+// it (it does not see the instruction read past the first bytes), which leaves the tiles unconfigured.
+constexpr TileConfig kTileConfig = tile_config();
+
+KDA_AMX_FN void configure_tiles() { _tile_loadconfig(&kTileConfig); }
+
+KDA_AMX_FN void release_tiles() { _tile_release(); }
+
+KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C,
+                         int64_t ldc, const Combine& combine) {
+  const int64_t depth = packed_depth(K), lda = depth, ldb = 2 * packed_cols(N);
+  // The configuration is per thread and anything else on this thread (oneDNN under torch) may have
+  // loaded its own: outside a ProductSession, load ours for this product and release the tiles after.
+  const bool own = !tl_configured;
+  if (own) configure_tiles();
   alignas(64) float stage[4][256];
   for (int64_t m = 0; m < M; m += 32) {
     const int rt = M - m > 16 ? 2 : 1;
     for (int64_t n = 0; n < N; n += 32) {
       const int ct = N - n > 16 ? 2 : 1;
-      ResultTile r[4];
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-          const int64_t row = m + 16 * i;
-          r[2 * i + j] = {C + row * ldc + n + 16 * j, ldc, std::clamp<int64_t>(M - row, 0, 16),
-                          stage[2 * i + j]};
-        }
       const uint16_t* Am = A + m * lda;
       const uint16_t* Bn = B + 2 * n;
+      // Whole tiles that overwrite C are stored in place; the rest pass through the stage.
+      float* direct =
+          !combine.accumulate && combine.row_scale == nullptr && M - m >= 16 * rt ? C + m * ldc + n : nullptr;
       if (rt == 2 && ct == 2)
-        amx_block<2, 2>(depth, Am, lda, Bn, ldb, r, accumulate);
+        amx_block<2, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
       else if (rt == 2)
-        amx_block<2, 1>(depth, Am, lda, Bn, ldb, r, accumulate);
+        amx_block<2, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
       else if (ct == 2)
-        amx_block<1, 2>(depth, Am, lda, Bn, ldb, r, accumulate);
+        amx_block<1, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
       else
-        amx_block<1, 1>(depth, Am, lda, Bn, ldb, r, accumulate);
+        amx_block<1, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
+      if (direct != nullptr) continue;
+      // Tile 2i + j holds rows m + 16i.., columns n + 16j..; rows past M go nowhere.
+      for (int i = 0; i < rt; ++i)
+        for (int64_t r = 0; r < std::min<int64_t>(16, M - m - 16 * i); ++r) {
+          const int64_t row = m + 16 * i + r;
+          for (int j = 0; j < ct; ++j)
+            combine_row(C + row * ldc + n + 16 * j, _mm512_load_ps(stage[2 * i + j] + 16 * r), combine, row);
+        }
     }
   }
-  _tile_release();
+  if (own) release_tiles();
 }
 
 }  // namespace
 #endif
 
+ProductSession::ProductSession(ProductUnit unit) {
+#if KDA_X86_UNITS
+  if (unit == ProductUnit::amx && !tl_configured) {
+    configure_tiles();
+    tl_configured = active_ = true;
+  }
+#else
+  (void)unit;
+#endif
+}
+
+ProductSession::~ProductSession() {
+#if KDA_X86_UNITS
+  if (active_) {
+    release_tiles();
+    tl_configured = false;
+  }
+#endif
+}
+
 void native_gemm(ProductUnit unit, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
-                 float* C, int64_t ldc, bool accumulate) {
+                 float* C, int64_t ldc, Combine combine) {
   if (N % 16 != 0) throw Error("kda: internal: a bf16 product's N must be a multiple of 16");
 #if KDA_X86_UNITS
   switch (unit) {
-    case ProductUnit::amx: return amx_gemm(M, N, K, A, B, C, ldc, accumulate);
-    case ProductUnit::avx512_bf16: return avx512_gemm(M, N, K, A, B, C, ldc, accumulate);
+    case ProductUnit::amx: return amx_gemm(M, N, K, A, B, C, ldc, combine);
+    case ProductUnit::avx512_bf16: return avx512_gemm(M, N, K, A, B, C, ldc, combine);
     case ProductUnit::portable: break;
   }
 #endif

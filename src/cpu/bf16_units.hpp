@@ -43,18 +43,40 @@ inline constexpr int64_t packed_depth(int64_t k) { return (k + 31) / 32 * 32; }
 
 // A(m, p) = src[m * rs + p * cs], negated when `negate` (C -= A B is C += (-A) B). `unit` picks the
 // conversion's instructions (a native unit's, or plain C++ for portable); all give the same bits.
+// The native conversion is vectorized where rs or cs is 1 (a transposed A goes through 16 x 16 blocks).
 void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool negate, uint16_t* dst,
             ProductUnit unit);
-// B(p, n) = src[p * ld + n].
-void pack_b(int64_t K, int64_t N, const float* src, int64_t ld, uint16_t* dst, ProductUnit unit);
+// B(p, n) = src[p * rs + n * cs]; likewise vectorized where rs or cs is 1.
+void pack_b(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs, uint16_t* dst, ProductUnit unit);
 
-// C[M x N] (= or +=) A B on a native unit, from packed operands; N a multiple of 16, C row-major with
-// leading dimension ldc (rows past M are neither read nor written).
+// How a product reaches C: C = A B, C += A B, or, with row_scale, C = diag(row_scale) C + A B (the
+// chunked forward's state update, S' = diag(e^{G_last}) S + Kd^T Vn, in one pass over S).
+struct Combine {
+  bool accumulate = false;
+  const float* row_scale = nullptr;  // [M]; when set, accumulate is implied
+};
+
+// C[M x N] (combined with) A B on a native unit, from packed operands; N a multiple of 16, C row-major
+// with leading dimension ldc (rows past M and columns past N are neither read nor written).
 void native_gemm(ProductUnit unit, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
-                 float* C, int64_t ldc, bool accumulate);
+                 float* C, int64_t ldc, Combine combine);
+// Keeps the unit's state across the native_gemm calls of a scope on this thread: AMX's tile
+// configuration is loaded once (instead of once a product) and the tiles released when the session
+// ends. Sessions do not nest (an inner one does nothing); nothing else may use the tiles meanwhile.
+class ProductSession {
+ public:
+  explicit ProductSession(ProductUnit unit);
+  ~ProductSession();
+  ProductSession(const ProductSession&) = delete;
+  ProductSession& operator=(const ProductSession&) = delete;
+
+ private:
+  bool active_ = false;
+};
+
 // The same product read from the packed layouts in plain C++, summing in double: what the tests hold the
 // native units to, on any CPU.
 void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C,
-                    int64_t ldc, bool accumulate);
+                    int64_t ldc, Combine combine);
 
 }  // namespace kda::cpu

@@ -4,8 +4,8 @@
 // processed with its state in a per-thread K-first tile that stays in cache.
 // Per chunk (docs/math.md, "The chunked (WY) form"), with S the entering state:
 //   Vn = U - W S          O = (scale Q e^G) S + P Vn          S' = e^{G_last} S + (K e^{G_last - G})^T Vn
-// With RunOptions::precision = bf16 the matrix products (those, and L and P's off-diagonal blocks) take
-// bf16 operands with fp32 sums (ChunkProducts); the gates, exponentials, the WY solve and S stay fp32.
+// With RunOptions::precision = bf16 a chunk takes the form of chunk_bf16-inl.h: its matrix products on
+// bf16 operands with fp32 sums; the gates, exponentials, the WY inverse and S stay fp32.
 #include <memory>
 #include <vector>
 
@@ -20,6 +20,7 @@
 #include "hwy/highway.h"
 #include "cpu/simd-inl.h"
 #include "cpu/chunk_intra-inl.h"
+#include "cpu/chunk_bf16-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
@@ -28,10 +29,11 @@ namespace kda::cpu::HWY_NAMESPACE {
 // Per-thread memory of the forward over a group of value heads.
 struct ForwardWork {
   int64_t K, Kp, Vp;
-  ChunkWork chunk;                  // one head's chunk at a time
-  std::vector<ChunkRowTiles> rows;  // one chunk's gathered rows per head
-  Buffer<float> S;                  // [heads][K][Vp] states
-  Buffer<float> O;                  // [heads][C][Vp] output rows of one chunk
+  ChunkWork chunk;                      // one head's chunk at a time
+  std::vector<ChunkRowTiles> rows;      // one chunk's gathered rows per head
+  Buffer<float> S;                      // [heads][K][Vp] states
+  Buffer<float> O;                      // [heads][C][Vp] output rows of one chunk
+  std::unique_ptr<Bf16ChunkWork> bf16;  // the bf16 form's memory (RunOptions::precision = bf16 only)
   ForwardWork(int64_t K_, int64_t V_, int64_t heads)
       : K(K_),
         Kp(padded(K_)),
@@ -56,6 +58,10 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
   const core::Sequence& seq = plan.sequences[n_seq];
   ChunkWork& w = fw.chunk;
   w.products.use(precision, plan.K, plan.V);  // a context's workspace may have served the other precision
+  if (precision != Precision::bf16)
+    fw.bf16.reset();
+  else if (fw.bf16 == nullptr)
+    fw.bf16 = std::make_unique<Bf16ChunkWork>(w.Kp);
   const int64_t V = plan.V, Vp = w.Vp, ldx = w.ldx;
   core::PhaseClock clock(core::Kernel::chunk_forward);
   for (int64_t j = 0; j < heads; ++j) load_state(plan, plan.initial[n_seq], hv0 + j, fw.state(j), Vp);
@@ -73,19 +79,18 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
         clock.lap(core::Phase::state_io);
       }
       fw.rows[j].swap_with(w);
+      if (fw.bf16 != nullptr) {
+        bf16_chunk(w, *fw.bf16, n, plan.scale, plan.per_head_gate(), S, O, clock);
+        continue;
+      }
       prepare_gathered_chunk(w, n, plan.scale, plan.per_head_gate(), clock);
       make_vn_in_place(w, n, S);
       const float* Vn = w.U();
-      w.products(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
+      gemm(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
       clock.lap(core::Phase::state_products);
-      if (w.products.bf16()) {
-        // One product over P's lower triangle (zero above it): one packing of Vn, not one per sub-chunk.
-        w.products(n, Vp, n, w.P.data(), C, 1, Vn, ldx, O, Vp, Accumulate::add);
-      } else {
-        for (int64_t s = 0; s < n; s += kSub) {
-          const int64_t e = std::min(s + kSub, n);
-          gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
-        }
+      for (int64_t s = 0; s < n; s += kSub) {
+        const int64_t e = std::min(s + kSub, n);
+        gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
       }
       clock.lap(core::Phase::intra_output);
       advance_state(w, n, S, S, Vn, ldx);

@@ -31,8 +31,9 @@ inline constexpr int64_t C = kChunkSize;
 inline constexpr int64_t kSub = kSubChunkSize;
 
 // dst = src with every element rounded to bf16 (bf16_units.hpp's rule: ties to even, subnormals to a
-// signed zero, NaN kept), as floats: rows x cols (cols a multiple of kPad), both with leading dimension ld.
-inline void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
+// signed zero, NaN kept), as floats: rows x cols (cols a multiple of kPad), leading dimensions ld and
+// ldd (dst may be src).
+inline void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst, int64_t ldd) {
   const DF d;
   const hn::RebindToSigned<DF> di;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
@@ -47,59 +48,91 @@ inline void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t 
       const auto signed_zero = hn::And(u, hn::Set(di, static_cast<int32_t>(0x80000000u)));
       auto out = hn::IfThenElse(hn::Lt(magnitude, hn::Set(di, 0x00800000)), signed_zero, rounded);
       out = hn::IfThenElse(hn::Gt(magnitude, hn::Set(di, 0x7f800000)), quiet_nan, out);
-      hn::StoreU(hn::BitCast(d, out), d, dst + r * ld + c);
+      hn::StoreU(hn::BitCast(d, out), d, dst + r * ldd + c);
     }
 }
 
-// The matrix products of a chunk: fp32 FMAs (every exact kernel), or, for the chunked forward with
-// RunOptions::precision = bf16, each operand rounded to bf16 and the products summed in fp32, on the
-// bf16 unit product_unit() picked (AMX, AVX512-BF16) or, on the portable unit, by the fp32 products
-// over operands rounded in place: the same rounding, only the order of the fp32 sums differs.
+// The opt-in bf16 products of the chunked forward (RunOptions::precision = bf16; chunk_bf16-inl.h):
+// each operand rounded to bf16 and the products summed in fp32, on the bf16 unit product_unit() picked
+// (AMX, AVX512-BF16) or, on the portable unit, by the fp32 products over operands rounded in place: the
+// same rounding, only the order of the fp32 sums differs. A right operand is kept (keep_b), converted
+// once for the products that share it (S for Y and Q S; Vn for P Vn and Kd^T Vn).
 class ChunkProducts {
  public:
-  // fp32 products, or bf16 ones on `unit`; sized for K, V up to kMaxHeadDim (the buffers come once).
+  static constexpr int kKeptOperands = 2;
+
+  // Off (every exact kernel), or bf16 products on product_unit(); sized for K, V up to kMaxHeadDim (the
+  // buffers come once).
   void use(Precision precision, int64_t K, int64_t V) {
     bf16_ = precision == Precision::bf16;
     if (!bf16_) return;
     unit_ = cpu::product_unit();
-    // Rounded copies keep their operand's layout: at most max(C, K) rows (S's K, a chunk's C) of at most
-    // a chunk row [W | U] or a row of P (C) each.
-    const int64_t copy = std::max<int64_t>(C, K) * std::max<int64_t>(padded(K) + padded(V), C);
-    const int64_t side = std::max<int64_t>({K, padded(V), C});
+    // An operand has at most max(C, K) rows (S's K, a chunk's C) of at most a chunk row [W | U] or a
+    // row of P (C) each.
+    const int64_t side = std::max<int64_t>({C, K, padded(K) + padded(V)});
     if (unit_ == cpu::ProductUnit::portable) {
-      if (a32_.size() < static_cast<size_t>(copy))
-        a32_.reset(static_cast<size_t>(copy)), b32_.reset(static_cast<size_t>(copy));
+      if (a32_.size() < static_cast<size_t>(side * side)) {
+        a32_.reset(static_cast<size_t>(side * side));
+        for (auto& b : b32_) b.reset(static_cast<size_t>(side * side));
+      }
     } else if (a16_.size() == 0) {
       a16_.reset(static_cast<size_t>(cpu::packed_rows(side) * cpu::packed_depth(side)));
-      b16_.reset(static_cast<size_t>(cpu::packed_depth(side) * cpu::packed_cols(side)));
+      for (auto& b : b16_) b.reset(static_cast<size_t>(cpu::packed_depth(side) * cpu::packed_cols(side)));
     }
   }
   bool bf16() const { return bf16_; }
 
-  // C[M, N] (=, +=, -=) A[M, inner] * B[inner, N], as gemm() takes them.
-  void operator()(int64_t M, int64_t N, int64_t inner, const float* A, int64_t a_rs, int64_t a_cs,
-                  const float* B, int64_t ldb, float* Cm, int64_t ldc, Accumulate mode) {
-    if (!bf16_) return gemm(M, N, inner, A, a_rs, a_cs, B, ldb, Cm, ldc, mode);
-    if (unit_ == cpu::ProductUnit::portable) {
-      // Rounded copies with A's and B's own layouts: A's rows (or, transposed, its columns) and B's rows.
-      const int64_t width = padded(a_cs == 1 ? inner : M);
-      if (a_cs == 1)
-        round_to_bf16(A, M, width, a_rs, a32_.data());
-      else
-        round_to_bf16(A, inner, width, a_cs, a32_.data());
-      round_to_bf16(B, inner, N, ldb, b32_.data());
-      return gemm(M, N, inner, a32_.data(), a_rs, a_cs, b32_.data(), ldb, Cm, ldc, mode);
+  // Keeps B(p, n) = src[p * rs + n * cs] (inner x N, N a multiple of kPad) as operand `slot` of the
+  // next times_kept calls. bf16 products only.
+  void keep_b(int slot, int64_t inner, int64_t N, const float* src, int64_t rs, int64_t cs) {
+    HWY_DASSERT(bf16_ && slot >= 0 && slot < kKeptOperands);
+    Kept& k = kept_[slot];
+    k.inner = inner, k.N = N;
+    if (unit_ != cpu::ProductUnit::portable)
+      return cpu::pack_b(inner, N, src, rs, cs, b16_[slot].data(), unit_);
+    float* dst = b32_[slot].data();
+    if (cs == 1) return round_to_bf16(src, inner, N, rs, dst, N);
+    for (int64_t p = 0; p < inner; ++p)
+      for (int64_t n = 0; n < N; ++n) dst[p * N + n] = cpu::bf16_value(cpu::bf16_bits(src[p * rs + n * cs]));
+  }
+
+  // C[M, N] (=, +=, -=) A[M, inner] * the kept B; with row_scale (mode add), C = diag(row_scale) C + A B.
+  void times_kept(int slot, int64_t M, const float* A, int64_t a_rs, int64_t a_cs, float* Cm, int64_t ldc,
+                  Accumulate mode, const float* row_scale = nullptr) {
+    const Kept& k = kept_[slot];
+    if (unit_ != cpu::ProductUnit::portable) {
+      cpu::pack_a(M, k.inner, A, a_rs, a_cs, mode == Accumulate::subtract, a16_.data(), unit_);
+      cpu::Combine combine;
+      combine.accumulate = mode != Accumulate::overwrite;
+      combine.row_scale = row_scale;
+      return cpu::native_gemm(unit_, M, k.N, k.inner, a16_.data(), b16_[slot].data(), Cm, ldc, combine);
     }
-    cpu::pack_a(M, inner, A, a_rs, a_cs, mode == Accumulate::subtract, a16_.data(), unit_);
-    cpu::pack_b(inner, N, B, ldb, b16_.data(), unit_);
-    cpu::native_gemm(unit_, M, N, inner, a16_.data(), b16_.data(), Cm, ldc, mode != Accumulate::overwrite);
+    // Portable: A rounded into a row-major [M][inner] copy, then the fp32 product.
+    const int64_t lda = padded(k.inner);
+    float* a = a32_.data();
+    if (a_cs == 1) {
+      std::fill(a, a + M * lda, 0.0f);
+      for (int64_t m = 0; m < M; ++m) std::copy(A + m * a_rs, A + m * a_rs + k.inner, a + m * lda);
+      round_to_bf16(a, M, lda, lda, a, lda);
+    } else {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t p = 0; p < lda; ++p)
+          a[m * lda + p] = p < k.inner ? cpu::bf16_value(cpu::bf16_bits(A[m * a_rs + p * a_cs])) : 0.0f;
+    }
+    if (row_scale != nullptr)
+      for (int64_t m = 0; m < M; ++m) scale_row(row_scale[m], Cm + m * ldc, Cm + m * ldc, k.N);
+    gemm(M, k.N, k.inner, a, lda, 1, b32_[slot].data(), k.N, Cm, ldc, mode);
   }
 
  private:
+  struct Kept {
+    int64_t inner = 0, N = 0;
+  };
   bool bf16_ = false;
   cpu::ProductUnit unit_ = cpu::ProductUnit::portable;
-  Buffer<float> a32_, b32_;     // portable: rounded copies
-  Buffer<uint16_t> a16_, b16_;  // native units: packed operands
+  Kept kept_[kKeptOperands];
+  Buffer<float> a32_, b32_[kKeptOperands];     // portable: rounded copies
+  Buffer<uint16_t> a16_, b16_[kKeptOperands];  // native units: packed operands
 };
 
 // Working memory for one chunk of one (sequence, value head); one per thread, reused across chunks.
@@ -121,7 +154,7 @@ struct ChunkWork {
   Buffer<float> qa, ka;    // [kSub][Kp]: anchored query-side factors of one sub-chunk
   Buffer<float> kbT;       // [Kp][C]: anchored key-side factors, transposed
   Buffer<float> row;       // [Kp] scratch
-  ChunkProducts products;  // fp32, or the forward's opt-in bf16 products (use())
+  ChunkProducts products;  // the forward's opt-in bf16 products (use())
 
   ChunkWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), ldx(Kp + Vp) {
     q.reset(C * Kp), k.reset(C * Kp), v.reset(C * Vp), g.reset(C * Kp);
@@ -296,8 +329,8 @@ inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
       const float* kj = w.k.data() + j * Kp;
       for (int64_t c = 0; c < K; ++c) kbT[c * C + j] = kj[c] * f[c];
     }
-    if (need_p) w.products(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
-    w.products(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);
+    if (need_p) gemm(e - s, s, K, w.qa.data(), Kp, 1, kbT, C, Pm + s * C, C, Accumulate::overwrite);
+    gemm(e - s, s, K, w.ka.data(), Kp, 1, kbT, C, Lm + s * C, C, Accumulate::overwrite);
   }
 }
 
@@ -343,11 +376,18 @@ inline void build_intra_scalar(ChunkWork& w, int64_t n, float scale, bool need_p
   const int64_t Kp = w.Kp;
   float* Lm = w.L.data();
   float* Pm = w.P.data();
-  float* kT = w.kbT.data();  // [Kp][C]: K^T, zero past row n
-  std::fill(kT, kT + Kp * C, 0.0f);
-  transpose(w.k.data(), Kp, n, w.K, kT, C);
-  w.products(n, C, w.K, w.k.data(), Kp, 1, kT, C, Lm, C, Accumulate::overwrite);
-  if (need_p) w.products(n, C, w.K, w.q.data(), Kp, 1, kT, C, Pm, C, Accumulate::overwrite);
+  if (w.products.bf16()) {
+    // K^T straight from k's rows, converted once for both products (columns past n are masked below).
+    w.products.keep_b(0, w.K, padded(n), w.k.data(), 1, Kp);
+    w.products.times_kept(0, n, w.k.data(), Kp, 1, Lm, C, Accumulate::overwrite);
+    if (need_p) w.products.times_kept(0, n, w.q.data(), Kp, 1, Pm, C, Accumulate::overwrite);
+  } else {
+    float* kT = w.kbT.data();  // [Kp][C]: K^T, zero past row n
+    std::fill(kT, kT + Kp * C, 0.0f);
+    transpose(w.k.data(), Kp, n, w.K, kT, C);
+    gemm(n, C, w.K, w.k.data(), Kp, 1, kT, C, Lm, C, Accumulate::overwrite);
+    if (need_p) gemm(n, C, w.K, w.q.data(), Kp, 1, kT, C, Pm, C, Accumulate::overwrite);
+  }
   for (int64_t i = 0; i < n; ++i) {
     float* Li = Lm + i * C;
     float* Pi = Pm + i * C;
@@ -422,14 +462,14 @@ inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const
 
 // Vn = U - W S, written over U (rows [0, n)); S is the K-first state entering the chunk.
 inline void make_vn_in_place(ChunkWork& w, int64_t n, const float* S) {
-  w.products(n, w.Vp, w.K, w.W(), w.ldx, 1, S, w.Vp, w.U(), w.ldx, Accumulate::subtract);
+  gemm(n, w.Vp, w.K, w.W(), w.ldx, 1, S, w.Vp, w.U(), w.ldx, Accumulate::subtract);
 }
 
 // The state leaving the chunk: S_out = diag(e^{G_last}) S_in + Kd^T Vn (S_out may be S_in).
 inline void advance_state(ChunkWork& w, int64_t n, const float* S_in, float* S_out, const float* Vn,
                           int64_t ldv) {
   for (int64_t kk = 0; kk < w.K; ++kk) scale_row(w.decay_last[kk], S_in + kk * w.Vp, S_out + kk * w.Vp, w.Vp);
-  w.products(w.K, w.Vp, n, w.Kd.data(), 1, w.Kp, Vn, ldv, S_out, w.Vp, Accumulate::add);
+  gemm(w.K, w.Vp, n, w.Kd.data(), 1, w.Kp, Vn, ldv, S_out, w.Vp, Accumulate::add);
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE

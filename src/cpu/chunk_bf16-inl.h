@@ -1,0 +1,289 @@
+// One chunk of the chunked forward with bf16 products (RunOptions::precision = bf16): the exact
+// kernel's chunk (chunk_intra-inl.h) rearranged so that almost all of its arithmetic is matrix
+// products, and the rest does less fp32 work. docs/math.md ("bf16 products (opt-in)") derives it.
+//  - The WY solve becomes an inverse: T = (I + L)^-1 by forward substitution in fp32 over a 64-wide
+//    right side instead of K + V, and Vn = U - W S = T (diag(beta) V - diag(beta) K e^G S), two products.
+//  - A diagonal 16 x 16 block of L and P (KDA's per-channel gate) is a product too where that is safe:
+//    with F_i = e^{G_i - G_s} anchored at the block's first row s, E_ij = F_i / F_j, and q_i F_i and
+//    k_j / F_j stay inside fp32 and bf16's range while the block decays by at most kSplitDecayLimit
+//    in every channel. A block that decays more (the -1000 spikes, an unbounded gate) takes the
+//    exact kernel's per-element products.
+//  - Every decay factor is a product of per-block factors (each an exponential of a direct sum of at
+//    most 16 gates, in double) and is <= 1, so nothing overflows: 2 exponentials per channel and
+//    token instead of the exact kernel's 5 to 6.
+// Compiled per Highway target: include after chunk_intra-inl.h, inside no namespace.
+
+#if defined(KDA_CPU_CHUNK_BF16_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDA_CPU_CHUNK_BF16_INL_H_
+#undef KDA_CPU_CHUNK_BF16_INL_H_
+#else
+#define KDA_CPU_CHUNK_BF16_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/phase_clock.hpp"
+#include "cpu/chunk_intra-inl.h"
+#include "cpu/simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kda::cpu::HWY_NAMESPACE {
+
+// The largest decay (in e-folds, in any channel) of a diagonal block that takes the split form:
+// q F and k / F then lie within e^{+-40} of q and k, far inside fp32's and bf16's exponent range.
+inline constexpr double kSplitDecayLimit = 40.0;
+inline constexpr int64_t kBlocks = C / kSub;
+
+// The bf16 form's own memory, beside a ChunkWork (allocated at its first bf16 chunk).
+struct Bf16ChunkWork {
+  int64_t Kp = 0;
+  Buffer<float> F;      // [C][Kp]: F_i = exp(g_{s+1} + ... + g_i), s the first row of i's block
+  Buffer<float> H;      // [C][Kp]: H_i = exp(g_{i+1} + ... + g_end), end the last row of i's block
+  Buffer<float> gate0;  // [kBlocks][Kp]: exp(g_s), the first row's own factor, per block
+  Buffer<float> Z;      // [kBlocks][Kp]: exp(G_last - G_end) per block
+  Buffer<float> carry;  // [Kp]: exp(G_s - G_end') while walking back over earlier blocks
+  Buffer<float> kb;     // [C][Kp]: key-side rows of one sub-chunk's products
+  Buffer<float> T;      // [C][C]: (I + L)^-1
+  explicit Bf16ChunkWork(int64_t Kp_) : Kp(Kp_) {
+    F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp);
+    kb.reset(C * Kp), T.reset(C * C);
+  }
+};
+
+// y = x * a * b, elementwise over n floats.
+HWY_INLINE void mul3_rows(const float* x, const float* a, const float* b, float* y, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L)
+    hn::StoreU(hn::Mul(hn::LoadU(d, x + i), hn::Mul(hn::LoadU(d, a + i), hn::LoadU(d, b + i))), d, y + i);
+}
+
+// y = x / f, elementwise (f > 0).
+HWY_INLINE void div_rows(const float* x, const float* f, float* y, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(hn::Div(hn::LoadU(d, x + i), hn::LoadU(d, f + i)), d, y + i);
+}
+
+// F and H over block rows [s, e), and exp(g_s). True when the block decays by at most
+// kSplitDecayLimit in every channel (a NaN gate answers false: the per-element path carries it).
+// The sums run in fp32: over at most 16 gates, their rounding moves a factor by less than 1e-4 of
+// itself while it is above e^-100, far below the bf16 rounding of every operand.
+inline bool block_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t s, int64_t e) {
+  const int64_t Kp = w.Kp;
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const float* g = w.g.data();
+  VF low = hn::Zero(d);  // the smallest block total over channels (padding channels hold zero gates)
+  bool nan = false;
+  for (int64_t c = 0; c < Kp; c += L) {
+    VF acc = hn::Zero(d);
+    for (int64_t i = s; i < e; ++i) {
+      if (i > s) acc = hn::Add(acc, hn::LoadU(d, g + i * Kp + c));
+      hn::StoreU(exp_nonpositive(d, acc), d, b.F.data() + i * Kp + c);
+    }
+    low = hn::Min(low, acc);
+    nan = nan || !hn::AllFalse(d, hn::IsNaN(acc));
+    acc = hn::Zero(d);
+    for (int64_t i = e - 1; i >= s; --i) {
+      hn::StoreU(exp_nonpositive(d, acc), d, b.H.data() + i * Kp + c);
+      acc = hn::Add(acc, hn::LoadU(d, g + i * Kp + c));  // at i = s: g_s, the block's own first gate
+    }
+    hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + s * Kp + c)), d, b.gate0.data() + s / kSub * Kp + c);
+  }
+  return !nan && hn::GetLane(hn::MinOfLanes(d, low)) >= -static_cast<float>(kSplitDecayLimit);
+}
+
+// The exact kernel's per-element diagonal block (build_intra), for a block that decays too much for
+// the split form: E_ij = prod_{t=j+1..i} exp(g_t) from j = i downwards.
+inline void diagonal_block_per_element(ChunkWork& w, int64_t s, int64_t e, float scale) {
+  const int64_t Kp = w.Kp;
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t t = s + 1; t < e; ++t)
+    for (int64_t c = 0; c < Kp; c += L)
+      hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.g.data() + t * Kp + c)), d, w.eg.data() + t * Kp + c);
+  float* Lm = w.L.data();
+  float* Pm = w.P.data();
+  float* E = w.row.data();
+  for (int64_t i = s; i < e; ++i) {
+    const float* qi = w.q.data() + i * Kp;
+    const float* ki = w.k.data() + i * Kp;
+    Pm[i * C + i] = scale * dot(qi, ki, Kp);
+    for (int64_t c = 0; c < Kp; c += L) hn::StoreU(hn::Set(d, 1.0f), d, E + c);
+    const float bi = w.beta[i];
+    for (int64_t j = i - 1; j >= s; --j) {
+      const float* a = w.eg.data() + (j + 1) * Kp;
+      const float* kj = w.k.data() + j * Kp;
+      VF accq = hn::Zero(d), acck = hn::Zero(d);
+      for (int64_t c = 0; c < Kp; c += L) {
+        const VF ec = hn::Mul(hn::LoadU(d, E + c), hn::LoadU(d, a + c));
+        hn::StoreU(ec, d, E + c);
+        const VF kje = hn::Mul(hn::LoadU(d, kj + c), ec);
+        accq = hn::MulAdd(hn::LoadU(d, qi + c), kje, accq);
+        acck = hn::MulAdd(hn::LoadU(d, ki + c), kje, acck);
+      }
+      Pm[i * C + j] = scale * hn::GetLane(hn::SumOfLanes(d, accq));
+      Lm[i * C + j] = bi * hn::GetLane(hn::SumOfLanes(d, acck));
+    }
+  }
+}
+
+// Row i's exp(G_i) = F_i exp(G_s), and with it Qe_i = scale q_i exp(G_i), Kg_i = k_i exp(G_i).
+HWY_INLINE void decay_rows(ChunkWork& w, const float* F, const float* start, int64_t i, float scale) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d)), Kp = w.Kp;
+  const VF vs = hn::Set(d, scale);
+  const float* q = w.q.data() + i * Kp;
+  const float* k = w.k.data() + i * Kp;
+  float* Qe = w.Qe.data() + i * Kp;
+  float* Kg = w.Kg.data() + i * Kp;
+  for (int64_t c = 0; c < Kp; c += L) {
+    const VF eG = hn::Mul(hn::LoadU(d, F + c), hn::LoadU(d, start + c));
+    hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), eG)), d, Qe + c);
+    hn::StoreU(hn::Mul(hn::LoadU(d, k + c), eG), d, Kg + c);
+  }
+}
+
+// KDA's decay factors (Qe, Kg, Kd, decay_last) and L and P for rows [0, n), with bf16 products.
+inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale,
+                               core::PhaseClock& clock) {
+  const int64_t Kp = w.Kp, K = w.K;
+  const int64_t blocks = (n + kSub - 1) / kSub;
+  bool split[kBlocks];
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    split[blk] = block_factors(w, b, blk * kSub, std::min((blk + 1) * kSub, n));
+  // exp(G_i) = exp(G_s) F_i, exp(G_s) a running product of each block's exp(g_s) and total F_end;
+  // exp(G_last - G_i) = H_i Z, Z = exp(G_last - G_end) the same product from the chunk's end.
+  float* start = b.carry.data();  // exp(G_s) of the current block
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t s = blk * kSub, e = std::min(s + kSub, n);
+    const float* e0 = b.gate0.data() + blk * Kp;
+    if (blk == 0)
+      std::copy(e0, e0 + Kp, start);
+    else
+      mul3_rows(start, b.F.data() + (s - 1) * Kp, e0, start, Kp);
+    for (int64_t i = s; i < e; ++i) decay_rows(w, b.F.data() + i * Kp, start, i, scale);
+  }
+  mul_rows(b.F.data() + (n - 1) * Kp, start, 1.0f, w.decay_last.data(), Kp);  // exp(G_last)
+  for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+    float* Z = b.Z.data() + blk * Kp;
+    if (blk == blocks - 1) {
+      std::fill(Z, Z + Kp, 1.0f);
+    } else {
+      const int64_t next_end = std::min((blk + 2) * kSub, n) - 1;
+      mul3_rows(Z + Kp, b.gate0.data() + (blk + 1) * Kp, b.F.data() + next_end * Kp, Z, Kp);
+    }
+    for (int64_t i = blk * kSub; i < std::min((blk + 1) * kSub, n); ++i)
+      mul3_rows(w.k.data() + i * Kp, b.H.data() + i * Kp, Z, w.Kd.data() + i * Kp, Kp);
+  }
+  clock.lap(core::Phase::decay_factors);
+
+  float* Lm = w.L.data();
+  float* Pm = w.P.data();
+  std::fill(Lm, Lm + C * C, 0.0f);
+  std::fill(Pm, Pm + C * C, 0.0f);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t s = blk * kSub, e = std::min(s + kSub, n);
+    // Query side, anchored at s: scale q_i F_i and beta_i k_i F_i.
+    for (int64_t i = s; i < e; ++i) {
+      mul_rows(w.q.data() + i * Kp, b.F.data() + i * Kp, scale, w.qa.data() + (i - s) * Kp, Kp);
+      mul_rows(w.k.data() + i * Kp, b.F.data() + i * Kp, w.beta[i], w.ka.data() + (i - s) * Kp, Kp);
+    }
+    // Key side: k_j exp(G_s - G_j) for j < s (H_j times the decay from j's block end to s) and, in the
+    // split form, k_j / F_j for j in [s, e) and zero rows up to the next multiple of 16.
+    float* carry = b.carry.data();
+    if (s > 0) std::copy(b.gate0.data() + blk * Kp, b.gate0.data() + (blk + 1) * Kp, carry);
+    for (int64_t prev = blk - 1; prev >= 0; --prev) {
+      for (int64_t j = prev * kSub; j < (prev + 1) * kSub; ++j)
+        mul3_rows(w.k.data() + j * Kp, b.H.data() + j * Kp, carry, b.kb.data() + j * Kp, Kp);
+      if (prev > 0)
+        mul3_rows(carry, b.F.data() + (prev * kSub + kSub - 1) * Kp, b.gate0.data() + prev * Kp, carry, Kp);
+    }
+    int64_t columns = s;
+    if (split[blk]) {
+      for (int64_t j = s; j < e; ++j)
+        div_rows(w.k.data() + j * Kp, b.F.data() + j * Kp, b.kb.data() + j * Kp, Kp);
+      columns = padded(e);
+      std::fill(b.kb.data() + e * Kp, b.kb.data() + columns * Kp, 0.0f);
+    }
+    if (columns > 0) {
+      w.products.keep_b(0, K, columns, b.kb.data(), 1, Kp);
+      w.products.times_kept(0, e - s, w.qa.data(), Kp, 1, Pm + s * C, C, Accumulate::overwrite);
+      w.products.times_kept(0, e - s, w.ka.data(), Kp, 1, Lm + s * C, C, Accumulate::overwrite);
+    }
+    if (split[blk]) {  // keep the lower triangle: j <= i in P, j < i in L
+      for (int64_t i = s; i < e; ++i) {
+        std::fill(Pm + i * C + i + 1, Pm + i * C + columns, 0.0f);
+        std::fill(Lm + i * C + i, Lm + i * C + columns, 0.0f);
+      }
+    } else {
+      diagonal_block_per_element(w, s, e, scale);
+    }
+  }
+  clock.lap(core::Phase::intra_matrices);
+}
+
+// T = (I + L)^-1 for rows [0, n) (zero elsewhere): forward substitution on the identity, 16 rows at a
+// time, as solve_wy does on [W | U].
+inline void invert_unit_lower(const ChunkWork& w, int64_t n, float* T) {
+  const float* Lm = w.L.data();
+  std::fill(T, T + C * C, 0.0f);
+  for (int64_t i = 0; i < n; ++i) T[i * C + i] = 1.0f;
+  for (int64_t s = 0; s < n; s += kSub) {
+    const int64_t e = std::min(s + kSub, n);
+    const int64_t width = padded(e);  // T's columns past row e - 1 are zero in these rows
+    if (s > 0) gemm(e - s, width, s, Lm + s * C, C, 1, T, C, T + s * C, C, Accumulate::subtract);
+    for (int64_t i = s + 1; i < e; ++i) subtract_combination(T + i * C, T, C, s, i, Lm + i * C, 1, width);
+  }
+}
+
+// One chunk, rows [0, n) already gathered in w: O (its output rows) and S, the K-first state, carried
+// across it.
+//   Y = diag(beta) V - diag(beta) K e^G S        Vn = T Y        O = (scale Q e^G) S + P Vn
+//   S' = diag(e^{G_last}) S + Kd^T Vn
+// Right operands shared by two products (S; Vn) are converted once.
+inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, bool scalar_gate, float* S,
+                       float* O, core::PhaseClock& clock) {
+  const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
+  const cpu::ProductSession session(cpu::product_unit());  // AMX: one tile configuration per chunk
+  if (scalar_gate) {
+    build_decay_factors_scalar(w, n, scale);
+    clock.lap(core::Phase::decay_factors);
+    build_intra_scalar(w, n, scale, true);
+    clock.lap(core::Phase::intra_matrices);
+  } else {
+    bf16_intra_per_key(w, b, n, scale, clock);
+  }
+  float* X = w.X.data();
+  for (int64_t i = 0; i < n; ++i) {
+    float* xi = X + i * ldx;
+    scale_row(w.beta[i], w.Kg.data() + i * Kp, xi, Kp);
+    scale_row(w.beta[i], w.v.data() + i * Vp, xi + Kp, Vp);
+    // Padding stays zero even for a NaN beta (0 * NaN): products over whole rows read it.
+    std::fill(xi + K, xi + Kp, 0.0f);
+    std::fill(xi + Kp + w.V, xi + ldx, 0.0f);
+  }
+  invert_unit_lower(w, n, b.T.data());
+  clock.lap(core::Phase::wy_solve);
+
+  ChunkProducts& p = w.products;
+  float* U = w.U();
+  p.keep_b(0, K, Vp, S, Vp, 1);
+  p.times_kept(0, n, w.W(), ldx, 1, U, ldx, Accumulate::subtract);  // Y, over diag(beta) V
+  p.times_kept(0, n, w.Qe.data(), Kp, 1, O, Vp, Accumulate::overwrite);
+  p.keep_b(1, n, Vp, U, ldx, 1);
+  p.times_kept(1, n, b.T.data(), C, 1, U, ldx, Accumulate::overwrite);  // Vn, over Y
+  clock.lap(core::Phase::state_products);
+  p.keep_b(1, n, Vp, U, ldx, 1);
+  p.times_kept(1, n, w.P.data(), C, 1, O, Vp, Accumulate::add);
+  clock.lap(core::Phase::intra_output);
+  p.times_kept(1, K, w.Kd.data(), 1, Kp, S, Vp, Accumulate::add, w.decay_last.data());
+  clock.lap(core::Phase::state_products);
+}
+
+}  // namespace kda::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // KDA_CPU_CHUNK_BF16_INL_H_
