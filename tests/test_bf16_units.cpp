@@ -149,6 +149,41 @@ TEST_P(NativeUnit, ProductsMatchTheReferenceAndLeaveOtherRowsAlone) {
       }
 }
 
+TEST_P(NativeUnit, StackedProductsLandInTheirTwoDestinations) {
+  // Rows from 16 on go to a second matrix: the reference reads the same Combine.
+  const ProductUnit unit = GetParam();
+  const int64_t M = 40, N = 48, K = 100, ldc = N + 16;
+  const std::vector<float> a = random_floats(M * K, 5, false), b = random_floats(K * N, 6, false);
+  std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K));
+  std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
+  cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
+  cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
+  for (const bool accumulate : {false, true}) {
+    std::vector<float> first = random_floats(20 * ldc, 7, false), second = random_floats(30 * ldc, 8, false);
+    std::vector<float> want_first = first, want_second = second;
+    cpu::Combine combine;
+    combine.accumulate = accumulate, combine.second_from = 16;
+    combine.second = second.data();
+    cpu::native_gemm(unit, M, N, K, A.data(), B.data(), first.data(), ldc, combine);
+    combine.second = want_second.data();
+    cpu::reference_gemm(M, N, K, A.data(), B.data(), want_first.data(), ldc, combine);
+    for (size_t i = 0; i < first.size(); ++i) {
+      const bool written = i / ldc < 16 && i % ldc < static_cast<size_t>(N);
+      if (!written)
+        ASSERT_EQ(first[i], want_first[i]) << "first destination touched at " << i;
+      else
+        ASSERT_NEAR(first[i], want_first[i], 1e-4 * (1.0 + std::fabs(want_first[i]))) << i;
+    }
+    for (size_t i = 0; i < second.size(); ++i) {
+      const bool written = i / ldc < static_cast<size_t>(M - 16) && i % ldc < static_cast<size_t>(N);
+      if (!written)
+        ASSERT_EQ(second[i], want_second[i]) << "second destination touched at " << i;
+      else
+        ASSERT_NEAR(second[i], want_second[i], 1e-4 * (1.0 + std::fabs(want_second[i]))) << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Units, NativeUnit, ::testing::Values(ProductUnit::amx, ProductUnit::avx512_bf16),
                          [](const auto& info) { return std::string(cpu::product_unit_name(info.param)); });
 

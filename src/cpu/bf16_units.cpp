@@ -305,7 +305,7 @@ void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const ui
       double sum = 0.0;
       for (int64_t p = 0; p < K; ++p)
         sum += static_cast<double>(bf16_value(A[m * lda + p])) * bf16_value(B[p / 2 * ldb + 2 * n + p % 2]);
-      float& c = C[m * ldc + n];
+      float& c = combine.row(C, ldc, m)[n];
       if (combine.row_scale != nullptr)
         c = static_cast<float>(static_cast<double>(combine.row_scale[m]) * c + sum);
       else
@@ -331,7 +331,8 @@ KDA_AVX512BF16_FN inline void combine_row(float* c, __m512 product, const Combin
 // row (broadcast) against one pair-row of B (16 pairs a vector).
 template <int MR, int NV>
 KDA_AVX512BF16_FN void avx512_tile(int64_t pairs, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                   int64_t ldb, float* C, int64_t ldc, const Combine& combine, int64_t row0) {
+                                   int64_t ldb, float* C, int64_t ldc, int64_t n, const Combine& combine,
+                                   int64_t row0) {
   __m512 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -346,17 +347,19 @@ KDA_AVX512BF16_FN void avx512_tile(int64_t pairs, const uint16_t* A, int64_t lda
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) combine_row(C + r * ldc + 16 * v, acc[r][v], combine, row0 + r);
+    for (int v = 0; v < NV; ++v)
+      combine_row(combine.row(C, ldc, row0 + r) + n + 16 * v, acc[r][v], combine, row0 + r);
 }
 
 template <int MR>
 KDA_AVX512BF16_FN void avx512_rows(int nv, int64_t pairs, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                   int64_t ldb, float* C, int64_t ldc, const Combine& combine, int64_t row0) {
+                                   int64_t ldb, float* C, int64_t ldc, int64_t n, const Combine& combine,
+                                   int64_t row0) {
   switch (nv) {
-    case 1: return avx512_tile<MR, 1>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
-    case 2: return avx512_tile<MR, 2>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
-    case 3: return avx512_tile<MR, 3>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
-    default: return avx512_tile<MR, 4>(pairs, A, lda, B, ldb, C, ldc, combine, row0);
+    case 1: return avx512_tile<MR, 1>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
+    case 2: return avx512_tile<MR, 2>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
+    case 3: return avx512_tile<MR, 3>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
+    default: return avx512_tile<MR, 4>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
   }
 }
 
@@ -369,15 +372,14 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
     const uint16_t* Bn = B + 2 * n;
     int64_t m = 0;
     for (; m + kRows <= M; m += kRows)
-      avx512_rows<kRows>(nv, pairs, A + m * lda, lda, Bn, ldb, C + m * ldc + n, ldc, combine, m);
+      avx512_rows<kRows>(nv, pairs, A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
     const uint16_t* Am = A + m * lda;
-    float* Cm = C + m * ldc + n;
     switch (M - m) {
-      case 1: avx512_rows<1>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
-      case 2: avx512_rows<2>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
-      case 3: avx512_rows<3>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
-      case 4: avx512_rows<4>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
-      case 5: avx512_rows<5>(nv, pairs, Am, lda, Bn, ldb, Cm, ldc, combine, m); break;
+      case 1: avx512_rows<1>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 2: avx512_rows<2>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 3: avx512_rows<3>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 4: avx512_rows<4>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 5: avx512_rows<5>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
       default: break;
     }
   }
@@ -400,7 +402,7 @@ struct alignas(64) TileConfig {
 // stage[2i + j], or, with `direct`, straight to its place in C (rows i, columns j of the block).
 template <int RT, int CT>
 KDA_AMX_FN void amx_block(int64_t depth, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                          float (*stage)[256], float* direct, int64_t ldc) {
+                          float (*stage)[256], float* const* direct, int64_t ldc) {
   _tile_zero(0);
   if constexpr (CT == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
@@ -420,10 +422,10 @@ KDA_AMX_FN void amx_block(int64_t depth, const uint16_t* A, int64_t lda, const u
     }
   }
   if (direct != nullptr) {
-    _tile_stored(0, direct, ldc * 4);
-    if constexpr (CT == 2) _tile_stored(1, direct + 16, ldc * 4);
-    if constexpr (RT == 2) _tile_stored(2, direct + 16 * ldc, ldc * 4);
-    if constexpr (RT == 2 && CT == 2) _tile_stored(3, direct + 16 * ldc + 16, ldc * 4);
+    _tile_stored(0, direct[0], ldc * 4);
+    if constexpr (CT == 2) _tile_stored(1, direct[0] + 16, ldc * 4);
+    if constexpr (RT == 2) _tile_stored(2, direct[1], ldc * 4);
+    if constexpr (RT == 2 && CT == 2) _tile_stored(3, direct[1] + 16, ldc * 4);
     return;
   }
   _tile_stored(0, stage[0], 64);
@@ -463,8 +465,9 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
       const uint16_t* Am = A + m * lda;
       const uint16_t* Bn = B + 2 * n;
       // Whole tiles that overwrite C are stored in place; the rest pass through the stage.
-      float* direct =
-          !combine.accumulate && combine.row_scale == nullptr && M - m >= 16 * rt ? C + m * ldc + n : nullptr;
+      float* rows[2] = {combine.row(C, ldc, m) + n, rt == 2 ? combine.row(C, ldc, m + 16) + n : nullptr};
+      float* const* direct =
+          !combine.accumulate && combine.row_scale == nullptr && M - m >= 16 * rt ? rows : nullptr;
       if (rt == 2 && ct == 2)
         amx_block<2, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
       else if (rt == 2)
@@ -479,7 +482,8 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
         for (int64_t r = 0; r < std::min<int64_t>(16, M - m - 16 * i); ++r) {
           const int64_t row = m + 16 * i + r;
           for (int j = 0; j < ct; ++j)
-            combine_row(C + row * ldc + n + 16 * j, _mm512_load_ps(stage[2 * i + j] + 16 * r), combine, row);
+            combine_row(combine.row(C, ldc, row) + n + 16 * j, _mm512_load_ps(stage[2 * i + j] + 16 * r),
+                        combine, row);
         }
     }
   }
@@ -512,6 +516,8 @@ ProductSession::~ProductSession() {
 void native_gemm(ProductUnit unit, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
                  float* C, int64_t ldc, Combine combine) {
   if (N % 16 != 0) throw Error("kda: internal: a bf16 product's N must be a multiple of 16");
+  if (combine.second != nullptr && combine.second_from % 16 != 0)
+    throw Error("kda: internal: a bf16 product's second destination must start at a multiple of 16 rows");
 #if KDA_X86_UNITS
   switch (unit) {
     case ProductUnit::amx: return amx_gemm(M, N, K, A, B, C, ldc, combine);

@@ -51,9 +51,16 @@ void pack_b(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs, uint
 
 // How a product reaches C: C = A B, C += A B, or, with row_scale, C = diag(row_scale) C + A B (the
 // chunked forward's state update, S' = diag(e^{G_last}) S + Kd^T Vn, in one pass over S).
+// Rows from second_from on (a multiple of 16) may go to a second matrix (`second`, same ldc): two
+// products that share B, stacked in A, land in their own places (a sub-chunk's P and L rows).
 struct Combine {
   bool accumulate = false;
   const float* row_scale = nullptr;  // [M]; when set, accumulate is implied
+  float* second = nullptr;
+  int64_t second_from = 0;
+  float* row(float* C, int64_t ldc, int64_t m) const {
+    return second != nullptr && m >= second_from ? second + (m - second_from) * ldc : C + m * ldc;
+  }
 };
 
 // C[M x N] (combined with) A B on a native unit, from packed operands; N a multiple of 16, C row-major

@@ -44,10 +44,11 @@ struct Bf16ChunkWork {
   Buffer<float> Z;      // [kBlocks][Kp]: exp(G_last - G_end) per block
   Buffer<float> carry;  // [Kp]: exp(G_s - G_end') while walking back over earlier blocks
   Buffer<float> kb;     // [C][Kp]: key-side rows of one sub-chunk's products
+  Buffer<float> qk;     // [2 kSub][Kp]: its query-side rows for P, then for L
   Buffer<float> T;      // [C][C]: (I + L)^-1
   explicit Bf16ChunkWork(int64_t Kp_) : Kp(Kp_) {
     F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp);
-    kb.reset(C * Kp), T.reset(C * C);
+    kb.reset(C * Kp), qk.reset(2 * kSub * Kp), T.reset(C * C);
   }
 };
 
@@ -186,10 +187,17 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
   std::fill(Pm, Pm + C * C, 0.0f);
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t s = blk * kSub, e = std::min(s + kSub, n);
-    // Query side, anchored at s: scale q_i F_i and beta_i k_i F_i.
+    // Query side, anchored at s, stacked for one product: scale q_i F_i in rows [0, 16) and
+    // beta_i k_i F_i in rows [16, 32) (zero rows past e - s).
+    float* qa = b.qk.data();
+    float* ka = b.qk.data() + kSub * Kp;
     for (int64_t i = s; i < e; ++i) {
-      mul_rows(w.q.data() + i * Kp, b.F.data() + i * Kp, scale, w.qa.data() + (i - s) * Kp, Kp);
-      mul_rows(w.k.data() + i * Kp, b.F.data() + i * Kp, w.beta[i], w.ka.data() + (i - s) * Kp, Kp);
+      mul_rows(w.q.data() + i * Kp, b.F.data() + i * Kp, scale, qa + (i - s) * Kp, Kp);
+      mul_rows(w.k.data() + i * Kp, b.F.data() + i * Kp, w.beta[i], ka + (i - s) * Kp, Kp);
+    }
+    if (e - s < kSub) {
+      std::fill(qa + (e - s) * Kp, qa + kSub * Kp, 0.0f);
+      std::fill(ka + (e - s) * Kp, ka + kSub * Kp, 0.0f);
     }
     // Key side: k_j exp(G_s - G_j) for j < s (H_j times the decay from j's block end to s) and, in the
     // split form, k_j / F_j for j in [s, e) and zero rows up to the next multiple of 16.
@@ -210,8 +218,9 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
     }
     if (columns > 0) {
       w.products.keep_b(0, K, columns, b.kb.data(), 1, Kp);
-      w.products.times_kept(0, e - s, w.qa.data(), Kp, 1, Pm + s * C, C, Accumulate::overwrite);
-      w.products.times_kept(0, e - s, w.ka.data(), Kp, 1, Lm + s * C, C, Accumulate::overwrite);
+      // P's rows [s, s + 16) from qa, L's from ka (rows past e are zero and stay past n).
+      w.products.times_kept(0, kSub + e - s, qa, Kp, 1, Pm + s * C, C, Accumulate::overwrite, nullptr,
+                            Lm + s * C, kSub);
     }
     if (split[blk]) {  // keep the lower triangle: j <= i in P, j < i in L
       for (int64_t i = s; i < e; ++i) {

@@ -96,15 +96,18 @@ class ChunkProducts {
       for (int64_t n = 0; n < N; ++n) dst[p * N + n] = cpu::bf16_value(cpu::bf16_bits(src[p * rs + n * cs]));
   }
 
-  // C[M, N] (=, +=, -=) A[M, inner] * the kept B; with row_scale (mode add), C = diag(row_scale) C + A B.
+  // C[M, N] (=, +=, -=) A[M, inner] * the kept B; with row_scale (mode add), C = diag(row_scale) C + A B;
+  // with `second`, rows from second_from on (a multiple of 16) go to second's rows instead.
   void times_kept(int slot, int64_t M, const float* A, int64_t a_rs, int64_t a_cs, float* Cm, int64_t ldc,
-                  Accumulate mode, const float* row_scale = nullptr) {
+                  Accumulate mode, const float* row_scale = nullptr, float* second = nullptr,
+                  int64_t second_from = 0) {
     const Kept& k = kept_[slot];
     if (unit_ != cpu::ProductUnit::portable) {
       cpu::pack_a(M, k.inner, A, a_rs, a_cs, mode == Accumulate::subtract, a16_.data(), unit_);
       cpu::Combine combine;
       combine.accumulate = mode != Accumulate::overwrite;
       combine.row_scale = row_scale;
+      combine.second = second, combine.second_from = second_from;
       return cpu::native_gemm(unit_, M, k.N, k.inner, a16_.data(), b16_[slot].data(), Cm, ldc, combine);
     }
     // Portable: A rounded into a row-major [M][inner] copy, then the fp32 product.
@@ -121,7 +124,10 @@ class ChunkProducts {
     }
     if (row_scale != nullptr)
       for (int64_t m = 0; m < M; ++m) scale_row(row_scale[m], Cm + m * ldc, Cm + m * ldc, k.N);
-    gemm(M, k.N, k.inner, a, lda, 1, b32_[slot].data(), k.N, Cm, ldc, mode);
+    const int64_t first = second != nullptr ? std::min(M, second_from) : M;
+    gemm(first, k.N, k.inner, a, lda, 1, b32_[slot].data(), k.N, Cm, ldc, mode);
+    if (first < M)
+      gemm(M - first, k.N, k.inner, a + first * lda, lda, 1, b32_[slot].data(), k.N, second, ldc, mode);
   }
 
  private:
