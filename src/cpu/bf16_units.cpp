@@ -400,13 +400,21 @@ struct alignas(64) TileConfig {
 
 // One block of 1 or 2 row tiles x 1 or 2 column tiles over the whole depth; tile 2i + j goes to
 // stage[2i + j], or, with `direct`, straight to its place in C (rows i, columns j of the block).
+// With `load`, the result tiles start from C's block (at `direct`) instead of zero.
 template <int RT, int CT>
 KDA_AMX_FN void amx_block(int64_t depth, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                          float (*stage)[256], float* const* direct, int64_t ldc) {
-  _tile_zero(0);
-  if constexpr (CT == 2) _tile_zero(1);
-  if constexpr (RT == 2) _tile_zero(2);
-  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+                          float (*stage)[256], float* const* direct, int64_t ldc, bool load) {
+  if (load) {
+    _tile_loadd(0, direct[0], ldc * 4);
+    if constexpr (CT == 2) _tile_loadd(1, direct[0] + 16, ldc * 4);
+    if constexpr (RT == 2) _tile_loadd(2, direct[1], ldc * 4);
+    if constexpr (RT == 2 && CT == 2) _tile_loadd(3, direct[1] + 16, ldc * 4);
+  } else {
+    _tile_zero(0);
+    if constexpr (CT == 2) _tile_zero(1);
+    if constexpr (RT == 2) _tile_zero(2);
+    if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  }
   for (int64_t k = 0; k < depth; k += 32) {
     _tile_loadd(4, A + k, lda * 2);
     _tile_loadd(6, B + k / 2 * ldb, ldb * 2);
@@ -466,16 +474,20 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
       const uint16_t* Bn = B + 2 * n;
       // Whole tiles that overwrite C are stored in place; the rest pass through the stage.
       float* rows[2] = {combine.row(C, ldc, m) + n, rt == 2 ? combine.row(C, ldc, m + 16) + n : nullptr};
-      float* const* direct =
-          !combine.accumulate && combine.row_scale == nullptr && M - m >= 16 * rt ? rows : nullptr;
+      // Whole tiles that overwrite C are stored in place, and so are those that add to a C its caller
+      // wrote long enough ago (load_c: a tile load right after vector stores to the same lines waits
+      // for them to drain); the rest pass through the stage.
+      const bool whole = combine.row_scale == nullptr && M - m >= 16 * rt;
+      const bool load = whole && combine.accumulate && combine.load_c;
+      float* const* direct = whole && (!combine.accumulate || load) ? rows : nullptr;
       if (rt == 2 && ct == 2)
-        amx_block<2, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
+        amx_block<2, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       else if (rt == 2)
-        amx_block<2, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
+        amx_block<2, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       else if (ct == 2)
-        amx_block<1, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
+        amx_block<1, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       else
-        amx_block<1, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc);
+        amx_block<1, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       if (direct != nullptr) continue;
       // Tile 2i + j holds rows m + 16i.., columns n + 16j..; rows past M go nowhere.
       for (int i = 0; i < rt; ++i)

@@ -58,6 +58,9 @@ struct Combine {
   const float* row_scale = nullptr;  // [M]; when set, accumulate is implied
   float* second = nullptr;
   int64_t second_from = 0;
+  // AMX: accumulate by loading C into the result tiles, for a C written long before the product (a
+  // tile load of lines that vector stores just wrote stalls); otherwise the sum passes a stage.
+  bool load_c = false;
   float* row(float* C, int64_t ldc, int64_t m) const {
     return second != nullptr && m >= second_from ? second + (m - second_from) * ldc : C + m * ldc;
   }

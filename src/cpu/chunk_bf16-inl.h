@@ -280,15 +280,17 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   ChunkProducts& p = w.products;
   float* U = w.U();
   p.keep_b(0, K, Vp, S, Vp, 1);
-  p.times_kept(0, n, w.W(), ldx, 1, U, ldx, Accumulate::subtract);  // Y, over diag(beta) V
+  // S is free once converted: decay it now, long before Kd^T Vn adds to it (see Combine::load_c).
+  for (int64_t kk = 0; kk < K; ++kk) scale_row(w.decay_last[kk], S + kk * Vp, S + kk * Vp, Vp);
+  p.times_kept(0, n, w.W(), ldx, 1, U, ldx, Accumulate::subtract, nullptr, nullptr, 0, true);  // Y
   p.times_kept(0, n, w.Qe.data(), Kp, 1, O, Vp, Accumulate::overwrite);
   p.keep_b(1, n, Vp, U, ldx, 1);
   p.times_kept(1, n, b.T.data(), C, 1, U, ldx, Accumulate::overwrite);  // Vn, over Y
   clock.lap(core::Phase::state_products);
   p.keep_b(1, n, Vp, U, ldx, 1);
-  p.times_kept(1, n, w.P.data(), C, 1, O, Vp, Accumulate::add);
+  p.times_kept(1, n, w.P.data(), C, 1, O, Vp, Accumulate::add, nullptr, nullptr, 0, true);
   clock.lap(core::Phase::intra_output);
-  p.times_kept(1, K, w.Kd.data(), 1, Kp, S, Vp, Accumulate::add, w.decay_last.data());
+  p.times_kept(1, K, w.Kd.data(), 1, Kp, S, Vp, Accumulate::add, nullptr, nullptr, 0, true);
   clock.lap(core::Phase::state_products);
 }
 

@@ -97,10 +97,11 @@ class ChunkProducts {
   }
 
   // C[M, N] (=, +=, -=) A[M, inner] * the kept B; with row_scale (mode add), C = diag(row_scale) C + A B;
-  // with `second`, rows from second_from on (a multiple of 16) go to second's rows instead.
+  // with `second`, rows from second_from on (a multiple of 16) go to second's rows instead. c_is_old:
+  // C was written long before (not by the vector stores just before this call), see Combine::load_c.
   void times_kept(int slot, int64_t M, const float* A, int64_t a_rs, int64_t a_cs, float* Cm, int64_t ldc,
                   Accumulate mode, const float* row_scale = nullptr, float* second = nullptr,
-                  int64_t second_from = 0) {
+                  int64_t second_from = 0, bool c_is_old = false) {
     const Kept& k = kept_[slot];
     if (unit_ != cpu::ProductUnit::portable) {
       cpu::pack_a(M, k.inner, A, a_rs, a_cs, mode == Accumulate::subtract, a16_.data(), unit_);
@@ -108,6 +109,7 @@ class ChunkProducts {
       combine.accumulate = mode != Accumulate::overwrite;
       combine.row_scale = row_scale;
       combine.second = second, combine.second_from = second_from;
+      combine.load_c = c_is_old;
       return cpu::native_gemm(unit_, M, k.N, k.inner, a16_.data(), b16_[slot].data(), Cm, ldc, combine);
     }
     // Portable: A rounded into a row-major [M][inner] copy, then the fp32 product.
