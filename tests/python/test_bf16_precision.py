@@ -79,3 +79,43 @@ def test_bad_values_and_unsupported_combinations():
 def test_engine_names_its_unit():
     units = kda.engine.bf16_product_units()
     assert units[-1] == "portable" and kda.engine.bf16_product_unit() in units
+
+
+# fla's own bf16 criterion, as its test_kda / gated delta rule tests apply it to the chunked forward:
+# fla.utils.testing.assert_close at a 0.005 ratio (the relative RMS error) for o and the final state,
+# against fla's naive recurrence in float32 on the same bf16 inputs, with gates from logsigmoid scaled
+# by the normalizers fla's tests sweep (1: mild, 0.1: strong, 10: weak).
+@pytest.mark.parametrize("gate_width", ["per_key", "per_head"])
+@pytest.mark.parametrize("normalizer", [1.0, 0.1, 10.0])
+def test_fla_bf16_criterion(gate_width, normalizer):
+    testing = pytest.importorskip("fla.utils.testing")
+    if gate_width == "per_key":
+        naive = pytest.importorskip("fla.ops.kda.naive").naive_recurrent_kda
+    else:
+        naive = pytest.importorskip("fla.ops.gated_delta_rule.naive").naive_recurrent_gated_delta_rule
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, D = 2, 300, 2, 64
+    gate_shape = (B, T, H, D) if gate_width == "per_key" else (B, T, H)
+    q, k, v = (torch.rand(B, T, H, D, generator=gen).to(torch.bfloat16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(gate_shape, generator=gen)) / normalizer
+    beta = torch.rand(B, T, H, generator=gen).sigmoid().to(torch.bfloat16)
+    h0 = torch.randn(B, H, D, D, generator=gen)
+    # fla's tests normalise q and k in the kernel (use_qk_l2norm_in_kernel) and before the naive call.
+    qn, kn = (torch.nn.functional.normalize(x.float(), p=2, dim=-1) for x in (q, k))
+    # fla's naive gated delta rule takes beta before g.
+    gate_args = (g, beta.float()) if gate_width == "per_key" else (beta.float(), g)
+    ref, ref_ht = naive(qn, kn, v.float(), *gate_args, initial_state=h0.clone(), output_final_state=True)
+    function = getattr(kda, FUNCTIONS[gate_width])
+    tri, tri_ht = function(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0.clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        precision="bf16",
+    )
+    testing.assert_close("o", ref, tri.float(), 0.005)
+    testing.assert_close("ht", ref_ht, tri_ht, 0.005)
