@@ -2,7 +2,9 @@
 // kernel's chunk (chunk_intra-inl.h) rearranged so that almost all of its arithmetic is matrix
 // products, and the rest does less fp32 work. docs/math.md ("bf16 products (opt-in)") derives it.
 //  - The WY solve becomes an inverse: T = (I + L)^-1 by forward substitution in fp32 over a 64-wide
-//    right side instead of K + V, and Vn = U - W S = T (diag(beta) V - diag(beta) K e^G S), two products.
+//    right side instead of K + V, and Vn = U - W S = T (diag(beta) V - diag(beta) K e^G S), two products
+//    (three: Y's bf16 rounding, mixed by T with cancellation, cost 10% of the error in the zero-decay
+//    regime, so T multiplies its rounded value and what that rounding lost).
 //  - A diagonal 16 x 16 block of L and P (KDA's per-channel gate) is a product too where that is safe:
 //    with F_i = e^{G_i - G_s} anchored at the block's first row s, E_ij = F_i / F_j, and q_i F_i and
 //    k_j / F_j stay inside fp32 and bf16's range while the block decays by at most kSplitDecayLimit
@@ -46,7 +48,9 @@ struct Bf16ChunkWork {
   Buffer<float> kb;     // [C][Kp]: key-side rows of one sub-chunk's products
   Buffer<float> qk;     // [2 kSub][Kp]: its query-side rows for P, then for L
   Buffer<float> T;      // [C][C]: (I + L)^-1
-  explicit Bf16ChunkWork(int64_t Kp_) : Kp(Kp_) {
+  Buffer<float> Y_low;  // [C][Vp]: Y - bf16(Y), the part of Y its bf16 rounding loses
+  Bf16ChunkWork(int64_t Kp_, int64_t Vp) : Kp(Kp_) {
+    Y_low.reset(C * Vp);
     F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp);
     kb.reset(C * Kp), qk.reset(2 * kSub * Kp), T.reset(C * C);
   }
@@ -58,6 +62,13 @@ HWY_INLINE void mul3_rows(const float* x, const float* a, const float* b, float*
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   for (int64_t i = 0; i < n; i += L)
     hn::StoreU(hn::Mul(hn::LoadU(d, x + i), hn::Mul(hn::LoadU(d, a + i), hn::LoadU(d, b + i))), d, y + i);
+}
+
+// y = x - y, elementwise over n floats.
+HWY_INLINE void subtract_rows(const float* x, float* y, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(hn::Sub(hn::LoadU(d, x + i), hn::LoadU(d, y + i)), d, y + i);
 }
 
 // y = x / f, elementwise (f > 0).
@@ -250,7 +261,8 @@ inline void invert_unit_lower(const ChunkWork& w, int64_t n, float* T) {
 
 // One chunk, rows [0, n) already gathered in w: O (its output rows) and S, the K-first state, carried
 // across it.
-//   Y = diag(beta) V - diag(beta) K e^G S        Vn = T Y        O = (scale Q e^G) S + P Vn
+//   Y = diag(beta) V - diag(beta) K e^G S        Vn = T Y (Y in two bf16 parts)
+//   O = (scale Q e^G) S + P Vn
 //   S' = diag(e^{G_last}) S + Kd^T Vn
 // Right operands shared by two products (S; Vn) are converted once.
 inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, bool scalar_gate, float* S,
@@ -284,8 +296,15 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   for (int64_t kk = 0; kk < K; ++kk) scale_row(w.decay_last[kk], S + kk * Vp, S + kk * Vp, Vp);
   p.times_kept(0, n, w.W(), ldx, 1, U, ldx, Accumulate::subtract, nullptr, nullptr, 0, true);  // Y
   p.times_kept(0, n, w.Qe.data(), Kp, 1, O, Vp, Accumulate::overwrite);
+  // Vn = T Y over Y, with Y in two bf16 parts: Y's rounding alone moved the errors of o and the state
+  // by 10-15% in the zero-decay regime (T mixes its rows with cancellation).
+  float* Y_low = b.Y_low.data();
+  round_to_bf16(U, n, Vp, ldx, Y_low, Vp);
+  for (int64_t i = 0; i < n; ++i) subtract_rows(U + i * ldx, Y_low + i * Vp, Vp);
   p.keep_b(1, n, Vp, U, ldx, 1);
-  p.times_kept(1, n, b.T.data(), C, 1, U, ldx, Accumulate::overwrite);  // Vn, over Y
+  p.keep_b(0, n, Vp, Y_low, Vp, 1);
+  p.times_kept(1, n, b.T.data(), C, 1, U, ldx, Accumulate::overwrite);
+  p.times_kept(0, n, b.T.data(), C, 1, U, ldx, Accumulate::add, nullptr, nullptr, 0, true);
   clock.lap(core::Phase::state_products);
   p.keep_b(1, n, Vp, U, ldx, 1);
   p.times_kept(1, n, w.P.data(), C, 1, O, Vp, Accumulate::add, nullptr, nullptr, 0, true);

@@ -61,7 +61,7 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
   if (precision != Precision::bf16)
     fw.bf16.reset();
   else if (fw.bf16 == nullptr)
-    fw.bf16 = std::make_unique<Bf16ChunkWork>(w.Kp);
+    fw.bf16 = std::make_unique<Bf16ChunkWork>(w.Kp, w.Vp);
   const int64_t V = plan.V, Vp = w.Vp, ldx = w.ldx;
   core::PhaseClock clock(core::Kernel::chunk_forward);
   for (int64_t j = 0; j < heads; ++j) load_state(plan, plan.initial[n_seq], hv0 + j, fw.state(j), Vp);
