@@ -107,41 +107,6 @@ inline bool block_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t s, int64_t e) 
   return !nan && hn::GetLane(hn::MinOfLanes(d, low)) >= -static_cast<float>(kSplitDecayLimit);
 }
 
-// The exact kernel's per-element diagonal block (build_intra), for a block that decays too much for
-// the split form: E_ij = prod_{t=j+1..i} exp(g_t) from j = i downwards.
-inline void diagonal_block_per_element(ChunkWork& w, int64_t s, int64_t e, float scale) {
-  const int64_t Kp = w.Kp;
-  const DF d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  for (int64_t t = s + 1; t < e; ++t)
-    for (int64_t c = 0; c < Kp; c += L)
-      hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.g.data() + t * Kp + c)), d, w.eg.data() + t * Kp + c);
-  float* Lm = w.L.data();
-  float* Pm = w.P.data();
-  float* E = w.row.data();
-  for (int64_t i = s; i < e; ++i) {
-    const float* qi = w.q.data() + i * Kp;
-    const float* ki = w.k.data() + i * Kp;
-    Pm[i * C + i] = scale * dot(qi, ki, Kp);
-    for (int64_t c = 0; c < Kp; c += L) hn::StoreU(hn::Set(d, 1.0f), d, E + c);
-    const float bi = w.beta[i];
-    for (int64_t j = i - 1; j >= s; --j) {
-      const float* a = w.eg.data() + (j + 1) * Kp;
-      const float* kj = w.k.data() + j * Kp;
-      VF accq = hn::Zero(d), acck = hn::Zero(d);
-      for (int64_t c = 0; c < Kp; c += L) {
-        const VF ec = hn::Mul(hn::LoadU(d, E + c), hn::LoadU(d, a + c));
-        hn::StoreU(ec, d, E + c);
-        const VF kje = hn::Mul(hn::LoadU(d, kj + c), ec);
-        accq = hn::MulAdd(hn::LoadU(d, qi + c), kje, accq);
-        acck = hn::MulAdd(hn::LoadU(d, ki + c), kje, acck);
-      }
-      Pm[i * C + j] = scale * hn::GetLane(hn::SumOfLanes(d, accq));
-      Lm[i * C + j] = bi * hn::GetLane(hn::SumOfLanes(d, acck));
-    }
-  }
-}
-
 // Row i's exp(G_i) = F_i exp(G_s), and with it Qe_i = scale q_i exp(G_i), Kg_i = k_i exp(G_i).
 HWY_INLINE void decay_rows(ChunkWork& w, const float* F, const float* start, int64_t i, float scale) {
   const DF d;
@@ -239,6 +204,11 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
         std::fill(Lm + i * C + i, Lm + i * C + columns, 0.0f);
       }
     } else {
+      // The exact kernel's per-element block, over exp(g_t) of its rows.
+      const DF d;
+      for (int64_t t = s + 1; t < e; ++t)
+        for (int64_t c = 0; c < Kp; c += static_cast<int64_t>(hn::Lanes(d)))
+          hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.g.data() + t * Kp + c)), d, w.eg.data() + t * Kp + c);
       diagonal_block_per_element(w, s, e, scale);
     }
   }

@@ -288,40 +288,48 @@ inline void anchored_factors(ChunkWork& w, int64_t s, int64_t e) {
   }
 }
 
-// L and P for rows [0, n): diagonal sub-blocks per element, off-diagonal ones by anchored products.
-inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
-  const int64_t Kp = w.Kp, K = w.K;
+// The diagonal block of rows [s, e) of L and P per element: E_ij = prod_{t=j+1..i} exp(g_t) (w.eg's
+// rows), built from j = i downwards; every factor <= 1, so nothing overflows at any decay.
+inline void diagonal_block_per_element(ChunkWork& w, int64_t s, int64_t e, float scale) {
+  const int64_t Kp = w.Kp;
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   float* Lm = w.L.data();
   float* Pm = w.P.data();
+  float* E = w.row.data();
+  for (int64_t i = s; i < e; ++i) {
+    const float* qi = w.q.data() + i * Kp;
+    const float* ki = w.k.data() + i * Kp;
+    Pm[i * C + i] = scale * dot(qi, ki, Kp);
+    for (int64_t c = 0; c < Kp; c += L) hn::StoreU(hn::Set(d, 1.0f), d, E + c);
+    const float bi = w.beta[i];
+    for (int64_t j = i - 1; j >= s; --j) {
+      const float* a = w.eg.data() + (j + 1) * Kp;
+      const float* kj = w.k.data() + j * Kp;
+      VF accq = hn::Zero(d), acck = hn::Zero(d);
+      for (int64_t c = 0; c < Kp; c += L) {
+        const VF ec = hn::Mul(hn::LoadU(d, E + c), hn::LoadU(d, a + c));
+        hn::StoreU(ec, d, E + c);
+        const VF kje = hn::Mul(hn::LoadU(d, kj + c), ec);
+        accq = hn::MulAdd(hn::LoadU(d, qi + c), kje, accq);
+        acck = hn::MulAdd(hn::LoadU(d, ki + c), kje, acck);
+      }
+      Pm[i * C + j] = scale * hn::GetLane(hn::SumOfLanes(d, accq));
+      Lm[i * C + j] = bi * hn::GetLane(hn::SumOfLanes(d, acck));
+    }
+  }
+}
+
+// L and P for rows [0, n): diagonal sub-blocks per element, off-diagonal ones by anchored products.
+inline void build_intra(ChunkWork& w, int64_t n, float scale, bool need_p) {
+  const int64_t Kp = w.Kp, K = w.K;
+  float* Lm = w.L.data();
+  float* Pm = w.P.data();
   std::fill(Lm, Lm + C * C, 0.0f);
   std::fill(Pm, Pm + C * C, 0.0f);
-  float* E = w.row.data();
   for (int64_t s = 0; s < n; s += kSub) {
     const int64_t e = std::min(s + kSub, n);
-    // Diagonal block: E_ij = prod_{t=j+1..i} exp(g_t), built from j = i downwards.
-    for (int64_t i = s; i < e; ++i) {
-      const float* qi = w.q.data() + i * Kp;
-      const float* ki = w.k.data() + i * Kp;
-      Pm[i * C + i] = scale * dot(qi, ki, Kp);
-      for (int64_t c = 0; c < Kp; c += L) hn::StoreU(hn::Set(d, 1.0f), d, E + c);
-      const float bi = w.beta[i];
-      for (int64_t j = i - 1; j >= s; --j) {
-        const float* a = w.eg.data() + (j + 1) * Kp;
-        const float* kj = w.k.data() + j * Kp;
-        VF accq = hn::Zero(d), acck = hn::Zero(d);
-        for (int64_t c = 0; c < Kp; c += L) {
-          const VF ec = hn::Mul(hn::LoadU(d, E + c), hn::LoadU(d, a + c));
-          hn::StoreU(ec, d, E + c);
-          const VF kje = hn::Mul(hn::LoadU(d, kj + c), ec);
-          accq = hn::MulAdd(hn::LoadU(d, qi + c), kje, accq);
-          acck = hn::MulAdd(hn::LoadU(d, ki + c), kje, acck);
-        }
-        Pm[i * C + j] = scale * hn::GetLane(hn::SumOfLanes(d, accq));
-        Lm[i * C + j] = bi * hn::GetLane(hn::SumOfLanes(d, acck));
-      }
-    }
+    diagonal_block_per_element(w, s, e, scale);
     if (s == 0) continue;
     // Off-diagonal blocks (rows [s, e), columns [0, s)), anchored at row s:
     // (q_i e^{G_i - G_s}) . (k_j e^{G_s - G_j}), both exponents <= 0.
