@@ -104,6 +104,19 @@ def _gate_rank_message(per_head, g):
     )
 
 
+# fla's fused_recurrent_gated_delta_rule takes (q, k, v, g, gk, gv, beta, ...): a call written as
+# chunk_gated_delta_rule's (q, k, v, g, beta) puts beta in gk's place.
+POSITIONAL_BETA_HINT = (
+    "; 'gk' got a [B, T, HV] tensor: fla's fifth positional parameter here is gk, not beta (pass "
+    "beta=... by name)"
+)
+
+
+def positional_beta_hint(gk):
+    """The hint for a gk that looks like beta [B, T, HV], else ''."""
+    return POSITIONAL_BETA_HINT if isinstance(gk, torch.Tensor) and gk.dim() == 3 else ""
+
+
 def check_key_gate(gk, q, k, v):
     """fused_recurrent_gated_delta_rule's ``gk``, KDA's gate ``[B, T, HV, K]`` (B, T, HV of v, K of k),
     checked (device, rank, dtype, shape) with q, k and v before the call goes on to fused_recurrent_kda,
@@ -114,7 +127,7 @@ def check_key_gate(gk, q, k, v):
     if gk.dim() != 4:
         raise ValueError(
             f"kda: 'gk' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
-            f"{list(gk.shape)}; a decay per head [B, T, HV] is passed as 'g'"
+            f"{list(gk.shape)}; a decay per head [B, T, HV] is passed as 'g'{positional_beta_hint(gk)}"
         )
     if not gk.is_floating_point():
         raise TypeError(f"kda: 'gk' must be a floating-point tensor, got {gk.dtype}")

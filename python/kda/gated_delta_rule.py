@@ -23,6 +23,7 @@ from ._arguments import (
     check_gdn_tensors,
     check_key_gate,
     gate_mode,
+    positional_beta_hint,
     reject_unknown,
     state_v_first_of,
 )
@@ -223,6 +224,7 @@ def fused_recurrent_gated_delta_rule(
     if g is not None and gk is not None:
         raise ValueError(
             "kda: pass one gate, 'g' [B, T, HV] (per head) or 'gk' [B, T, HV, K] (per key channel), not both"
+            + positional_beta_hint(gk)
         )
     # Before gk's route too: A_log / dt_bias without use_gate_in_kernel warn whichever the gate is.
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "fused_recurrent_gated_delta_rule")

@@ -376,6 +376,20 @@ def test_gv_and_two_gates_are_refused():
         kda.fused_recurrent_gated_delta_rule(**t, gk=gk, use_gate_in_kernel=True, A_log=torch.zeros(2))
 
 
+def test_beta_in_gks_place_is_named():
+    """fla's fused_recurrent_gated_delta_rule takes (q, k, v, g, gk, gv, beta): a call written as
+    chunk_gated_delta_rule's (q, k, v, g, beta) puts beta in gk's place, and the message says so."""
+    t, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8, **GDN))
+    with pytest.raises(
+        ValueError, match="not both; 'gk' got a \\[B, T, HV\\] tensor: fla's fifth positional"
+    ):
+        kda.fused_recurrent_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"])
+    with pytest.raises(ValueError, match="fifth positional parameter here is gk, not beta"):
+        kda.fused_recurrent_gated_delta_rule(t["q"], t["k"], t["v"], None, t["beta"])
+    with pytest.raises(ValueError, match="not both$"):  # a real second gate gets no such hint
+        kda.fused_recurrent_gated_delta_rule(**t, gk=torch.zeros(1, 10, 2, 8))
+
+
 def test_a_malformed_gk_is_named_gk():
     """gk goes on to fused_recurrent_kda, whose messages name its gate 'g': gk is checked first."""
     tensors, _ = make_inputs(Case(B=2, T=10, H=1, HV=2, K=8, V=4, **GDN))
