@@ -387,9 +387,9 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
 
 // AMX: tiles 0-3 hold a 2 x 2 block of 16 x 16 fp32 results, 4-5 two 16-row slices of A (16 rows x 32
 // bf16), 6-7 two 16-column slices of B (16 pair-rows x 16 pairs); each TDPBF16PS is 16 x 16 x 32
-// products. The result tiles start from zero and reach C through vector code: a tile load of C right
-// after the vector stores that wrote it (the WY solve's U, the previous product's O) waits for those
-// stores to drain, and measured 10-20x the arithmetic's time on a 64 x 128 x 128 product.
+// products. The result tiles start from zero and reach C through vector code (or, with load_c, from a
+// C written long before): a tile load of C right after the vector stores that wrote it waits for
+// those stores to drain, far longer than the arithmetic (docs/performance.md, 2026-12-06, later).
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;

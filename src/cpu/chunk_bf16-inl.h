@@ -3,8 +3,8 @@
 // products, and the rest does less fp32 work. docs/math.md ("bf16 products (opt-in)") derives it.
 //  - The WY solve becomes an inverse: T = (I + L)^-1 by forward substitution in fp32 over a 64-wide
 //    right side instead of K + V, and Vn = U - W S = T (diag(beta) V - diag(beta) K e^G S), two products
-//    (three: Y's bf16 rounding, mixed by T with cancellation, cost 10% of the error in the zero-decay
-//    regime, so T multiplies its rounded value and what that rounding lost).
+//    (three: T mixes Y's rows with cancellation, so its bf16 rounding would show in the errors of the
+//    zero-decay regime; T multiplies Y's rounded value and what that rounding lost, docs/math.md).
 //  - A diagonal 16 x 16 block of L and P (KDA's per-channel gate) is a product too where that is safe:
 //    with F_i = e^{G_i - G_s} anchored at the block's first row s, E_ij = F_i / F_j, and q_i F_i and
 //    k_j / F_j stay inside fp32 and bf16's range while the block decays by at most kSplitDecayLimit
@@ -266,8 +266,7 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   for (int64_t kk = 0; kk < K; ++kk) scale_row(w.decay_last[kk], S + kk * Vp, S + kk * Vp, Vp);
   p.times_kept(0, n, w.W(), ldx, 1, U, ldx, Accumulate::subtract, nullptr, nullptr, 0, true);  // Y
   p.times_kept(0, n, w.Qe.data(), Kp, 1, O, Vp, Accumulate::overwrite);
-  // Vn = T Y over Y, with Y in two bf16 parts: Y's rounding alone moved the errors of o and the state
-  // by 10-15% in the zero-decay regime (T mixes its rows with cancellation).
+  // Vn = T Y over Y, with Y in two bf16 parts (T mixes Y's rows with cancellation: see the top).
   float* Y_low = b.Y_low.data();
   round_to_bf16(U, n, Vp, ldx, Y_low, Vp);
   for (int64_t i = 0; i < n; ++i) subtract_rows(U + i * ldx, Y_low + i * Vp, Vp);
