@@ -34,7 +34,8 @@ pip=("$py" -m pip --disable-pip-version-check)
 quiet_pip() { "${pip[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 # Before 0.4 this project's distribution was named kda (PyPI's kda is another project): a leftover
 # install of ours under that name would own the same files as kda-kernels.
-if "${pip[@]}" show kda 2>/dev/null | grep -q "^Summary: .*Kimi Delta Attention"; then
+# (Not grep -q: under pipefail its early exit fails pip with SIGPIPE, and with it the test.)
+if "${pip[@]}" show kda 2>/dev/null | grep "^Summary: .*Kimi Delta Attention" >/dev/null; then
   quiet_pip uninstall -q -y kda
 fi
 
