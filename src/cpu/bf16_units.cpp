@@ -306,10 +306,7 @@ void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const ui
       for (int64_t p = 0; p < K; ++p)
         sum += static_cast<double>(bf16_value(A[m * lda + p])) * bf16_value(B[p / 2 * ldb + 2 * n + p % 2]);
       float& c = combine.row(C, ldc, m)[n];
-      if (combine.row_scale != nullptr)
-        c = static_cast<float>(static_cast<double>(combine.row_scale[m]) * c + sum);
-      else
-        c = static_cast<float>(combine.accumulate ? c + sum : sum);
+      c = static_cast<float>(combine.accumulate ? c + sum : sum);
     }
 }
 
@@ -319,11 +316,8 @@ void reference_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const ui
 namespace {
 
 // C row (16 floats) combined with a row of the product, as `combine` says.
-KDA_AVX512BF16_FN inline void combine_row(float* c, __m512 product, const Combine& combine, int64_t row) {
-  if (combine.row_scale != nullptr)
-    product = _mm512_fmadd_ps(_mm512_set1_ps(combine.row_scale[row]), _mm512_loadu_ps(c), product);
-  else if (combine.accumulate)
-    product = _mm512_add_ps(_mm512_loadu_ps(c), product);
+KDA_AVX512BF16_FN inline void combine_row(float* c, __m512 product, const Combine& combine) {
+  if (combine.accumulate) product = _mm512_add_ps(_mm512_loadu_ps(c), product);
   _mm512_storeu_ps(c, product);
 }
 
@@ -347,8 +341,7 @@ KDA_AVX512BF16_FN void avx512_tile(int64_t pairs, const uint16_t* A, int64_t lda
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v)
-      combine_row(combine.row(C, ldc, row0 + r) + n + 16 * v, acc[r][v], combine, row0 + r);
+    for (int v = 0; v < NV; ++v) combine_row(combine.row(C, ldc, row0 + r) + n + 16 * v, acc[r][v], combine);
 }
 
 template <int MR>
@@ -477,7 +470,7 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
       // Whole tiles that overwrite C are stored in place, and so are those that add to a C its caller
       // wrote long enough ago (load_c: a tile load right after vector stores to the same lines waits
       // for them to drain); the rest pass through the stage.
-      const bool whole = combine.row_scale == nullptr && M - m >= 16 * rt;
+      const bool whole = M - m >= 16 * rt;
       const bool load = whole && combine.accumulate && combine.load_c;
       float* const* direct = whole && (!combine.accumulate || load) ? rows : nullptr;
       if (rt == 2 && ct == 2)
@@ -495,7 +488,7 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
           const int64_t row = m + 16 * i + r;
           for (int j = 0; j < ct; ++j)
             combine_row(combine.row(C, ldc, row) + n + 16 * j, _mm512_load_ps(stage[2 * i + j] + 16 * r),
-                        combine, row);
+                        combine);
         }
     }
   }

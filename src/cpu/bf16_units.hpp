@@ -49,17 +49,16 @@ void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool
 // B(p, n) = src[p * rs + n * cs]; likewise vectorized where rs or cs is 1.
 void pack_b(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs, uint16_t* dst, ProductUnit unit);
 
-// How a product reaches C: C = A B, C += A B, or, with row_scale, C = diag(row_scale) C + A B (the
-// chunked forward's state update, S' = diag(e^{G_last}) S + Kd^T Vn, in one pass over S).
-// Rows from second_from on (a multiple of 16) may go to a second matrix (`second`, same ldc): two
-// products that share B, stacked in A, land in their own places (a sub-chunk's P and L rows).
+// How a product reaches C: C = A B or C += A B. Rows from second_from on (a multiple of 16) may go to a
+// second matrix (`second`, same ldc): two products that share B, stacked in A, land in their own places (a
+// sub-chunk's P and L rows).
 struct Combine {
   bool accumulate = false;
-  const float* row_scale = nullptr;  // [M]; when set, accumulate is implied
   float* second = nullptr;
   int64_t second_from = 0;
-  // AMX: accumulate by loading C into the result tiles, for a C written long before the product (a
-  // tile load of lines that vector stores just wrote stalls); otherwise the sum passes a stage.
+  // AMX: accumulate by loading C into the result tiles, for a C that vector stores did not just write
+  // (written long before, or by tile stores: a tile load of lines that vector stores just wrote
+  // stalls until they drain); otherwise the sum passes a stage and a vector pass.
   bool load_c = false;
   float* row(float* C, int64_t ldc, int64_t m) const {
     return second != nullptr && m >= second_from ? second + (m - second_from) * ldc : C + m * ldc;

@@ -195,8 +195,8 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
     if (columns > 0) {
       w.products.keep_b(0, K, columns, b.kb.data(), 1, Kp);
       // P's rows [s, s + 16) from qa, L's from ka (rows past e are zero and stay past n).
-      w.products.times_kept(0, kSub + e - s, qa, Kp, 1, Pm + s * C, C, Accumulate::overwrite, nullptr,
-                            Lm + s * C, kSub);
+      w.products.times_kept(0, kSub + e - s, qa, Kp, 1,
+                            {.C = Pm + s * C, .ldc = C, .second = Lm + s * C, .second_from = kSub});
     }
     if (split[blk]) {  // keep the lower triangle: j <= i in P, j < i in L
       for (int64_t i = s; i < e; ++i) {
@@ -264,21 +264,22 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   p.keep_b(0, K, Vp, S, Vp, 1);
   // S is free once converted: decay it now, long before Kd^T Vn adds to it (see Combine::load_c).
   for (int64_t kk = 0; kk < K; ++kk) scale_row(w.decay_last[kk], S + kk * Vp, S + kk * Vp, Vp);
-  p.times_kept(0, n, w.W(), ldx, 1, U, ldx, Accumulate::subtract, nullptr, nullptr, 0, true);  // Y
-  p.times_kept(0, n, w.Qe.data(), Kp, 1, O, Vp, Accumulate::overwrite);
+  p.times_kept(0, n, w.W(), ldx, 1,
+               {.C = U, .ldc = ldx, .mode = Accumulate::subtract, .c_is_old = true});  // Y
+  p.times_kept(0, n, w.Qe.data(), Kp, 1, {O, Vp});
   // Vn = T Y over Y, with Y in two bf16 parts (T mixes Y's rows with cancellation: see the top).
   float* Y_low = b.Y_low.data();
   round_to_bf16(U, n, Vp, ldx, Y_low, Vp);
   for (int64_t i = 0; i < n; ++i) subtract_rows(U + i * ldx, Y_low + i * Vp, Vp);
   p.keep_b(1, n, Vp, U, ldx, 1);
   p.keep_b(0, n, Vp, Y_low, Vp, 1);
-  p.times_kept(1, n, b.T.data(), C, 1, U, ldx, Accumulate::overwrite);
-  p.times_kept(0, n, b.T.data(), C, 1, U, ldx, Accumulate::add, nullptr, nullptr, 0, true);
+  p.times_kept(1, n, b.T.data(), C, 1, {U, ldx});
+  p.times_kept_again(0, {.C = U, .ldc = ldx, .mode = Accumulate::add, .c_is_old = true});  // T converted once
   clock.lap(core::Phase::state_products);
   p.keep_b(1, n, Vp, U, ldx, 1);
-  p.times_kept(1, n, w.P.data(), C, 1, O, Vp, Accumulate::add, nullptr, nullptr, 0, true);
+  p.times_kept(1, n, w.P.data(), C, 1, {.C = O, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true});
   clock.lap(core::Phase::intra_output);
-  p.times_kept(1, K, w.Kd.data(), 1, Kp, S, Vp, Accumulate::add, nullptr, nullptr, 0, true);
+  p.times_kept(1, K, w.Kd.data(), 1, Kp, {.C = S, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true});
   clock.lap(core::Phase::state_products);
 }
 

@@ -34,7 +34,7 @@ struct ForwardWork {
   Buffer<float> S;                      // [heads][K][Vp] states
   Buffer<float> O;                      // [heads][C][Vp] output rows of one chunk
   std::unique_ptr<Bf16ChunkWork> bf16;  // the bf16 form's memory (RunOptions::precision = bf16 only)
-  ForwardWork(int64_t K_, int64_t V_, int64_t heads)
+  ForwardWork(int64_t K_, int64_t V_, int64_t heads, Precision precision)
       : K(K_),
         Kp(padded(K_)),
         Vp(padded(V_)),
@@ -43,6 +43,8 @@ struct ForwardWork {
         O(heads * C * padded(V_)) {
     rows.reserve(static_cast<size_t>(heads));
     for (int64_t j = 0; j < heads; ++j) rows.emplace_back(Kp, Vp);
+    chunk.products.use(precision, K, V_);
+    if (precision == Precision::bf16) bf16 = std::make_unique<Bf16ChunkWork>(Kp, Vp);
   }
   float* state(int64_t j) const { return S.data() + j * K * Vp; }
   float* output(int64_t j) const { return O.data() + j * C * Vp; }
@@ -54,14 +56,9 @@ struct ForwardWork {
 };
 
 void forward_group(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out, int64_t n_seq,
-                   int64_t hv0, int64_t heads, Precision precision, ForwardWork& fw) {
+                   int64_t hv0, int64_t heads, ForwardWork& fw) {
   const core::Sequence& seq = plan.sequences[n_seq];
   ChunkWork& w = fw.chunk;
-  w.products.use(precision, plan.K, plan.V);  // a context's workspace may have served the other precision
-  if (precision != Precision::bf16)
-    fw.bf16.reset();
-  else if (fw.bf16 == nullptr)
-    fw.bf16 = std::make_unique<Bf16ChunkWork>(w.Kp, w.Vp);
   const int64_t V = plan.V, Vp = w.Vp, ldx = w.ldx;
   core::PhaseClock clock(core::Kernel::chunk_forward);
   for (int64_t j = 0; j < heads; ++j) load_state(plan, plan.initial[n_seq], hv0 + j, fw.state(j), Vp);
@@ -111,10 +108,10 @@ void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const Forward
   const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t items = plan.num_sequences() * groups;
-  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
+  auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads, precision);
   run.parallel_for(items, [&](int64_t item, int worker) {
     const int64_t hv0 = item % groups * heads;
-    forward_group(plan, in, out, item / groups, hv0, std::min(heads, plan.HV - hv0), precision,
+    forward_group(plan, in, out, item / groups, hv0, std::min(heads, plan.HV - hv0),
                   *work[static_cast<size_t>(worker)]);
   });
 }

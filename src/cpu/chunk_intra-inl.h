@@ -61,21 +61,28 @@ class ChunkProducts {
  public:
   static constexpr int kKeptOperands = 2;
 
-  // Off (every exact kernel), or bf16 products on product_unit(); sized for K, V up to kMaxHeadDim (the
-  // buffers come once).
+  // Where a product goes: C (=, +=, -=) A B, rows from second_from on (a multiple of 16) in `second`
+  // instead when it is set; c_is_old: no vector store wrote C just before (see Combine::load_c).
+  struct Into {
+    float* C;
+    int64_t ldc;
+    Accumulate mode = Accumulate::overwrite;
+    bool c_is_old = false;
+    float* second = nullptr;
+    int64_t second_from = 0;
+  };
+
+  // Off (every exact kernel), or bf16 products on product_unit(), sized for this problem's K and V.
   void use(Precision precision, int64_t K, int64_t V) {
     bf16_ = precision == Precision::bf16;
     if (!bf16_) return;
     unit_ = cpu::product_unit();
-    // An operand has at most max(C, K) rows (S's K, a chunk's C) of at most a chunk row [W | U] or a
-    // row of P (C) each.
-    const int64_t side = std::max<int64_t>({C, K, padded(K) + padded(V)});
+    // Every operand is at most side x side: S (K x V), a chunk's rows (C x K, C x V), T and P (C x C).
+    const int64_t side = std::max<int64_t>({C, padded(K), padded(V)});
     if (unit_ == cpu::ProductUnit::portable) {
-      if (a32_.size() < static_cast<size_t>(side * side)) {
-        a32_.reset(static_cast<size_t>(side * side));
-        for (auto& b : b32_) b.reset(static_cast<size_t>(side * side));
-      }
-    } else if (a16_.size() == 0) {
+      a32_.reset(static_cast<size_t>(side * side));
+      for (auto& b : b32_) b.reset(static_cast<size_t>(side * side));
+    } else {
       a16_.reset(static_cast<size_t>(cpu::packed_rows(side) * cpu::packed_depth(side)));
       for (auto& b : b16_) b.reset(static_cast<size_t>(cpu::packed_depth(side) * cpu::packed_cols(side)));
     }
@@ -83,7 +90,7 @@ class ChunkProducts {
   bool bf16() const { return bf16_; }
 
   // Keeps B(p, n) = src[p * rs + n * cs] (inner x N, N a multiple of kPad) as operand `slot` of the
-  // next times_kept calls. bf16 products only.
+  // next times_kept calls.
   void keep_b(int slot, int64_t inner, int64_t N, const float* src, int64_t rs, int64_t cs) {
     HWY_DASSERT(bf16_ && slot >= 0 && slot < kKeptOperands);
     Kept& k = kept_[slot];
@@ -96,49 +103,58 @@ class ChunkProducts {
       for (int64_t n = 0; n < N; ++n) dst[p * N + n] = cpu::bf16_value(cpu::bf16_bits(src[p * rs + n * cs]));
   }
 
-  // C[M, N] (=, +=, -=) A[M, inner] * the kept B; with row_scale (mode add), C = diag(row_scale) C + A B;
-  // with `second`, rows from second_from on (a multiple of 16) go to second's rows instead. c_is_old:
-  // C was written long before (not by the vector stores just before this call), see Combine::load_c.
-  void times_kept(int slot, int64_t M, const float* A, int64_t a_rs, int64_t a_cs, float* Cm, int64_t ldc,
-                  Accumulate mode, const float* row_scale = nullptr, float* second = nullptr,
-                  int64_t second_from = 0, bool c_is_old = false) {
-    const Kept& k = kept_[slot];
+  // into (=, +=, -=) A[M, inner] * the kept B, A(m, p) = A[m * a_rs + p * a_cs].
+  void times_kept(int slot, int64_t M, const float* A, int64_t a_rs, int64_t a_cs, const Into& into) {
+    const int64_t inner = kept_[slot].inner;
     if (unit_ != cpu::ProductUnit::portable) {
-      cpu::pack_a(M, k.inner, A, a_rs, a_cs, mode == Accumulate::subtract, a16_.data(), unit_);
-      cpu::Combine combine;
-      combine.accumulate = mode != Accumulate::overwrite;
-      combine.row_scale = row_scale;
-      combine.second = second, combine.second_from = second_from;
-      combine.load_c = c_is_old;
-      return cpu::native_gemm(unit_, M, k.N, k.inner, a16_.data(), b16_[slot].data(), Cm, ldc, combine);
-    }
-    // Portable: A rounded into a row-major [M][inner] copy, then the fp32 product.
-    const int64_t lda = padded(k.inner);
-    float* a = a32_.data();
-    if (a_cs == 1) {
-      std::fill(a, a + M * lda, 0.0f);
-      for (int64_t m = 0; m < M; ++m) std::copy(A + m * a_rs, A + m * a_rs + k.inner, a + m * lda);
-      round_to_bf16(a, M, lda, lda, a, lda);
-    } else {
+      cpu::pack_a(M, inner, A, a_rs, a_cs, into.mode == Accumulate::subtract, a16_.data(), unit_);
+    } else {  // A rounded into a row-major [M][padded(inner)] copy, negated as pack_a negates
+      const int64_t lda = padded(inner);
+      const float sign = into.mode == Accumulate::subtract ? -1.0f : 1.0f;
+      float* a = a32_.data();
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t p = 0; p < lda; ++p)
-          a[m * lda + p] = p < k.inner ? cpu::bf16_value(cpu::bf16_bits(A[m * a_rs + p * a_cs])) : 0.0f;
+        for (int64_t p = 0; p < lda; ++p) a[m * lda + p] = p < inner ? sign * A[m * a_rs + p * a_cs] : 0.0f;
+      round_to_bf16(a, M, lda, lda, a, lda);
     }
-    if (row_scale != nullptr)
-      for (int64_t m = 0; m < M; ++m) scale_row(row_scale[m], Cm + m * ldc, Cm + m * ldc, k.N);
-    const int64_t first = second != nullptr ? std::min(M, second_from) : M;
-    gemm(first, k.N, k.inner, a, lda, 1, b32_[slot].data(), k.N, Cm, ldc, mode);
+    a_ = {M, inner, into.mode == Accumulate::subtract};
+    times_kept_again(slot, into);
+  }
+
+  // into (=, +=, -=) the last times_kept's A (converted once) * the kept B `slot`, of the same depth.
+  void times_kept_again(int slot, const Into& into) {
+    const Kept& k = kept_[slot];
+    HWY_DASSERT(k.inner == a_.inner && (into.mode == Accumulate::subtract) == a_.negated);
+    // The sign sits in A (pack_a negates it for subtract), so the sum is added.
+    const Accumulate mode = into.mode == Accumulate::overwrite ? Accumulate::overwrite : Accumulate::add;
+    if (unit_ != cpu::ProductUnit::portable) {
+      cpu::Combine combine;
+      combine.accumulate = mode == Accumulate::add;
+      combine.second = into.second, combine.second_from = into.second_from;
+      combine.load_c = into.c_is_old;
+      return cpu::native_gemm(unit_, a_.M, k.N, k.inner, a16_.data(), b16_[slot].data(), into.C, into.ldc,
+                              combine);
+    }
+    const int64_t lda = padded(k.inner), M = a_.M;
+    const int64_t first = into.second != nullptr ? std::min(M, into.second_from) : M;
+    const float* a = a32_.data();
+    gemm(first, k.N, k.inner, a, lda, 1, b32_[slot].data(), k.N, into.C, into.ldc, mode);
     if (first < M)
-      gemm(M - first, k.N, k.inner, a + first * lda, lda, 1, b32_[slot].data(), k.N, second, ldc, mode);
+      gemm(M - first, k.N, k.inner, a + first * lda, lda, 1, b32_[slot].data(), k.N, into.second, into.ldc,
+           mode);
   }
 
  private:
   struct Kept {
     int64_t inner = 0, N = 0;
   };
+  struct Converted {  // the A of the last times_kept
+    int64_t M = 0, inner = 0;
+    bool negated = false;
+  };
   bool bf16_ = false;
   cpu::ProductUnit unit_ = cpu::ProductUnit::portable;
   Kept kept_[kKeptOperands];
+  Converted a_;
   Buffer<float> a32_, b32_[kKeptOperands];     // portable: rounded copies
   Buffer<uint16_t> a16_, b16_[kKeptOperands];  // native units: packed operands
 };
@@ -395,8 +411,8 @@ inline void build_intra_scalar(ChunkWork& w, int64_t n, float scale, bool need_p
   if (w.products.bf16()) {
     // K^T straight from k's rows, converted once for both products (columns past n are masked below).
     w.products.keep_b(0, w.K, padded(n), w.k.data(), 1, Kp);
-    w.products.times_kept(0, n, w.k.data(), Kp, 1, Lm, C, Accumulate::overwrite);
-    if (need_p) w.products.times_kept(0, n, w.q.data(), Kp, 1, Pm, C, Accumulate::overwrite);
+    w.products.times_kept(0, n, w.k.data(), Kp, 1, {Lm, C});
+    if (need_p) w.products.times_kept(0, n, w.q.data(), Kp, 1, {Pm, C});
   } else {
     float* kT = w.kbT.data();  // [Kp][C]: K^T, zero past row n
     std::fill(kT, kT + Kp * C, 0.0f);
