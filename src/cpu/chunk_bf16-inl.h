@@ -39,7 +39,6 @@ inline constexpr int64_t kBlocks = C / kSub;
 
 // The bf16 form's own memory, beside a ChunkWork (allocated at its first bf16 chunk).
 struct Bf16ChunkWork {
-  int64_t Kp = 0;
   Buffer<float> F;      // [C][Kp]: F_i = exp(g_{s+1} + ... + g_i), s the first row of i's block
   Buffer<float> H;      // [C][Kp]: H_i = exp(g_{i+1} + ... + g_end), end the last row of i's block
   Buffer<float> gate0;  // [kBlocks][Kp]: exp(g_s), the first row's own factor, per block
@@ -49,7 +48,7 @@ struct Bf16ChunkWork {
   Buffer<float> qk;     // [2 kSub][Kp]: its query-side rows for P, then for L
   Buffer<float> T;      // [C][C]: (I + L)^-1
   Buffer<float> Y_low;  // [C][Vp]: Y - bf16(Y), the part of Y its bf16 rounding loses
-  Bf16ChunkWork(int64_t Kp_, int64_t Vp) : Kp(Kp_) {
+  Bf16ChunkWork(int64_t Kp, int64_t Vp) {
     Y_low.reset(C * Vp);
     F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp);
     kb.reset(C * Kp), qk.reset(2 * kSub * Kp), T.reset(C * C);
@@ -102,8 +101,8 @@ inline bool block_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t s, int64_t e) 
       hn::StoreU(exp_nonpositive(d, acc), d, b.H.data() + i * Kp + c);
       acc = hn::Add(acc, hn::LoadU(d, g + i * Kp + c));  // at i = s: g_s, the block's own first gate
     }
-    hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + s * Kp + c)), d, b.gate0.data() + s / kSub * Kp + c);
   }
+  exp_of_gates(g + s * Kp, b.gate0.data() + s / kSub * Kp, Kp);
   return !nan && hn::GetLane(hn::MinOfLanes(d, low)) >= -static_cast<float>(kSplitDecayLimit);
 }
 
@@ -205,10 +204,7 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
       }
     } else {
       // The exact kernel's per-element block, over exp(g_t) of its rows.
-      const DF d;
-      for (int64_t t = s + 1; t < e; ++t)
-        for (int64_t c = 0; c < Kp; c += static_cast<int64_t>(hn::Lanes(d)))
-          hn::StoreU(exp_nonpositive(d, hn::LoadU(d, w.g.data() + t * Kp + c)), d, w.eg.data() + t * Kp + c);
+      for (int64_t t = s + 1; t < e; ++t) exp_of_gates(w.g.data() + t * Kp, w.eg.data() + t * Kp, Kp);
       diagonal_block_per_element(w, s, e, scale);
     }
   }

@@ -249,6 +249,13 @@ HWY_INLINE void exp_of_sum(const double* acc, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, out + i)), d, out + i);
 }
 
+// out = exp(g) over n floats (n a multiple of kPad), each gate's own decay factor <= 1.
+HWY_INLINE void exp_of_gates(const float* g, float* out, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t c = 0; c < n; c += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + c)), d, out + c);
+}
+
 // y = x * f (elementwise) times s.
 HWY_INLINE void mul_rows(const float* x, const float* f, float s, float* y, int64_t n) {
   const DF d;
@@ -262,16 +269,13 @@ HWY_INLINE void mul_rows(const float* x, const float* f, float s, float* y, int6
 // G being the inclusive chunk-local cumsum of g.
 inline void build_decay_factors(ChunkWork& w, int64_t n, float scale) {
   const int64_t Kp = w.Kp;
-  const DF d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   double* acc = w.acc.data();
   std::fill(acc, acc + Kp, 0.0);
   for (int64_t i = 0; i < n; ++i) {  // exp(G_i) = exp(g_0 + ... + g_i)
     const float* g = w.g.data() + i * Kp;
     gate_sum(acc, g, Kp);
     exp_of_sum(acc, w.eG.data() + i * Kp, Kp);
-    float* eg = w.eg.data() + i * Kp;
-    for (int64_t c = 0; c < Kp; c += L) hn::StoreU(exp_nonpositive(d, hn::LoadU(d, g + c)), d, eg + c);
+    exp_of_gates(g, w.eg.data() + i * Kp, Kp);
   }
   std::copy(w.eG.data() + (n - 1) * Kp, w.eG.data() + n * Kp, w.decay_last.data());
   std::fill(acc, acc + Kp, 0.0);
