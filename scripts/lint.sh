@@ -26,7 +26,7 @@ if [[ "$have" != "$want" ]]; then
 fi
 
 status=0
-c_dirs=(include src python/src tools bench tests harness examples)
+c_dirs=(include src python/src ggml tools bench tests harness examples)
 # Tracked files and new ones git does not ignore, so that build trees never count (outside a git
 # checkout, every file under those folders).
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then

@@ -1,0 +1,225 @@
+// GGML_OP_GATED_DELTA_NET as kda calls (gated_delta_net.hpp has the op's conventions).
+#include "gated_delta_net.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "ggml.h"
+
+namespace kda_ggml {
+namespace {
+
+constexpr size_t kFloat = sizeof(float);
+
+struct Shape {
+  int64_t S = 0;          // key and value head size
+  int64_t key_heads = 0;  // H_k
+  int64_t heads = 0;      // H_v
+  int64_t tokens = 0;     // T, per sequence
+  int64_t sequences = 0;  // N
+  int64_t snapshots = 1;  // states kept in the result, the newest first
+  bool per_key = false;   // KDA's gate [S, H_v, T, N]; else the gated delta rule's [1, H_v, T, N]
+
+  int64_t state_size() const { return S * S; }
+  int64_t tiles() const { return heads / key_heads; }
+};
+
+Shape shape_of(const ggml_tensor* node) {
+  const ggml_tensor* q = node->src[0];
+  const ggml_tensor* v = node->src[2];
+  const ggml_tensor* g = node->src[3];
+  Shape s;
+  s.S = v->ne[0];
+  s.key_heads = q->ne[1];
+  s.heads = v->ne[1];
+  s.tokens = v->ne[2];
+  s.sequences = v->ne[3];
+  s.snapshots = node->op_params[0];
+  s.per_key = g->ne[0] == s.S && s.S != 1;
+  return s;
+}
+
+std::string dims(const ggml_tensor* t) {
+  return "[" + std::to_string(t->ne[0]) + ", " + std::to_string(t->ne[1]) + ", " + std::to_string(t->ne[2]) +
+         ", " + std::to_string(t->ne[3]) + "]";
+}
+
+// States in ggml's layout: sequence n, value head h of snapshot slot s at
+// base + s * snapshot_stride + n * sequence_stride + h * S * S (in floats).
+struct States {
+  float* base = nullptr;
+  int64_t sequence_stride = 0;
+  int64_t snapshot_stride = 0;
+
+  float* slot(int64_t s) const { return base + s * snapshot_stride; }
+};
+
+kda::Input input_of(const ggml_tensor* t, int64_t token0, int64_t head0, int64_t heads, int64_t dim) {
+  kda::Input in;
+  in.data = static_cast<const char*>(t->data) + token0 * t->nb[2] + head0 * t->nb[1];
+  in.dtype = kda::DType::f32;
+  in.stride_b = static_cast<int64_t>(t->nb[3] / kFloat);
+  in.stride_t = static_cast<int64_t>(t->nb[2] / kFloat);
+  in.stride_h = static_cast<int64_t>(t->nb[1] / kFloat);
+  in.heads = heads;
+  in.dim = dim;
+  return in;
+}
+
+// One kda call: the value heads [head0, head0 + H_k) of every sequence (they read key heads
+// 0..H_k-1 in order), tokens [token0, token0 + count), from the states at `from` to those at `to`.
+class Runner {
+ public:
+  Runner(const ggml_tensor* node, const kda::RunOptions& options)
+      : node_(node), shape_(shape_of(node)), options_(options) {
+    sequence_ids_.resize(static_cast<size_t>(shape_.sequences));
+    std::iota(sequence_ids_.begin(), sequence_ids_.end(), int64_t{0});
+  }
+
+  const Shape& shape() const { return shape_; }
+
+  void run(int64_t head0, int64_t token0, int64_t count, const float* from, int64_t from_stride, float* to,
+           int64_t to_stride) const {
+    const Shape& s = shape_;
+    const ggml_tensor* const* src = node_->src;
+    kda::Problem p;
+    p.batch = s.sequences;
+    p.seq_len = count;
+    p.heads = s.key_heads;
+    p.value_heads = s.key_heads;
+    p.key_dim = s.S;
+    p.value_dim = s.S;
+    // ggml scales the output by this float; kda scales q by the same float.
+    p.scale = static_cast<double>(1.0f / std::sqrt(static_cast<float>(s.S)));
+    p.state_layout = kda::StateLayout::v_first;
+    p.gate = kda::GateMode::log_decay;
+    p.beta = kda::BetaMode::given;
+    p.gate_width = s.per_key ? kda::GateWidth::per_key : kda::GateWidth::per_head;
+    const kda::Prepared prepared = kda::prepare(p);
+
+    kda::ForwardInputs in;
+    in.q = input_of(src[0], token0, 0, s.key_heads, s.S);
+    in.k = input_of(src[1], token0, 0, s.key_heads, s.S);
+    in.v = input_of(src[2], token0, head0, s.key_heads, s.S);
+    in.g = input_of(src[3], token0, head0, s.key_heads, s.per_key ? s.S : 1);
+    in.beta = input_of(src[4], token0, head0, s.key_heads, 1);
+
+    kda::ForwardOutputs out;
+    float* o = static_cast<float*>(node_->data) + (token0 * s.heads + head0) * s.S;
+    out.o.data = o;
+    out.o.dtype = kda::DType::f32;
+    out.o.stride_b = s.tokens * s.heads * s.S;
+    out.o.stride_t = s.heads * s.S;
+    out.o.stride_h = s.S;
+    out.o.heads = s.key_heads;
+    out.o.dim = s.S;
+
+    const int64_t packed = s.key_heads * s.state_size();
+    const int64_t head_offset = head0 * s.state_size();
+    if (s.sequences == 1 || (from_stride == packed && to_stride == packed)) {
+      // The heads of a call are contiguous per sequence, and the sequences follow each other.
+      in.initial_state = from + head_offset;
+      out.final_state = to + head_offset;
+      kda::chunk_forward(prepared, in, out, options_);
+      return;
+    }
+    // Sequences further apart than a call's heads: the states are updated in place as pool slots
+    // (slot n = sequence n), after a copy of the starting states when they live elsewhere.
+    if (from != to) {
+      for (int64_t n = 0; n < s.sequences; ++n)
+        std::memcpy(to + n * to_stride + head_offset, from + n * from_stride + head_offset,
+                    static_cast<size_t>(packed) * kFloat);
+    }
+    kda::PooledStates pooled;
+    pooled.pool.data = to + head_offset;
+    pooled.pool.dtype = kda::DType::f32;
+    pooled.pool.num_slots = s.sequences;
+    pooled.pool.slot_stride = to_stride;
+    pooled.indices = kda::make_indices(sequence_ids_.data(), s.sequences);
+    in.pooled_states = &pooled;
+    kda::chunk_forward(prepared, in, out, options_);
+  }
+
+ private:
+  const ggml_tensor* node_;
+  Shape shape_;
+  kda::RunOptions options_;
+  std::vector<int64_t> sequence_ids_;
+};
+
+}  // namespace
+
+std::string decline_reason(const ggml_tensor* node) {
+  if (node->op != GGML_OP_GATED_DELTA_NET)
+    return std::string("kda runs GATED_DELTA_NET only, not ") + ggml_op_name(node->op);
+  static const char* const kNames[] = {"q", "k", "v", "g", "beta", "state"};
+  for (int i = 0; i < 6; ++i) {
+    const ggml_tensor* t = node->src[i];
+    if (t == nullptr) return std::string(kNames[i]) + " is missing";
+    if (t->type != GGML_TYPE_F32)
+      return std::string(kNames[i]) + " is " + ggml_type_name(t->type) + ", kda takes F32";
+    for (int d = 1; d < 4; ++d)
+      if (t->nb[d] % kFloat != 0)
+        return std::string(kNames[i]) + " has a stride that is not a whole number of floats";
+  }
+  if (node->type != GGML_TYPE_F32) return "the result is not F32";
+  const ggml_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2], *g = node->src[3],
+                    *beta = node->src[4], *state = node->src[5];
+  const Shape s = shape_of(node);
+  if (s.S < 1 || s.S > kda::kMaxHeadDim)
+    return "head size " + std::to_string(s.S) + ": kda takes 1.." + std::to_string(kda::kMaxHeadDim);
+  if (s.tokens < 1 || s.sequences < 1 || s.heads < 1) return "an empty batch " + dims(v);
+  if (s.snapshots < 1) return "a snapshot count of " + std::to_string(s.snapshots);
+  for (const ggml_tensor* t : {q, k, v})
+    if (t->nb[0] != kFloat) return "q, k and v need contiguous rows";
+  if (q->ne[0] != s.S || k->ne[0] != s.S)
+    return "q " + dims(q) + " and k " + dims(k) + " need v's head size " + std::to_string(s.S);
+  if (k->ne[1] != s.key_heads || s.key_heads < 1 || s.heads % s.key_heads != 0)
+    return "key heads q " + dims(q) + ", k " + dims(k) + " must be equal and divide v's " +
+           std::to_string(s.heads);
+  if (q->ne[2] != s.tokens || k->ne[2] != s.tokens)
+    return "q and k need v's " + std::to_string(s.tokens) + " tokens";
+  if (q->ne[3] != s.sequences || k->ne[3] != s.sequences)
+    return "q " + dims(q) + " and k " + dims(k) +
+           " broadcast over sequences; kda reads one q and k per sequence";
+  if ((g->ne[0] != 1 && g->ne[0] != s.S) || g->ne[1] != s.heads || g->ne[2] != s.tokens ||
+      g->ne[3] != s.sequences)
+    return "g " + dims(g) + " is neither [1, H_v, T, N] nor [S, H_v, T, N]";
+  if (beta->ne[0] != 1 || beta->ne[1] != s.heads || beta->ne[2] != s.tokens || beta->ne[3] != s.sequences)
+    return "beta " + dims(beta) + " is not [1, H_v, T, N]";
+  if (state->ne[0] != s.S || state->ne[1] != s.S || state->ne[2] != s.heads || state->ne[3] != s.sequences)
+    return "state " + dims(state) + " is not [S, S, H_v, N]";
+  for (const ggml_tensor* t : {g, beta, state})
+    if (!ggml_is_contiguous(t)) return "g, beta and state must be contiguous";
+  if (!ggml_is_contiguous(node)) return "the result is not contiguous";
+  return {};
+}
+
+void compute(const ggml_tensor* node, const kda::RunOptions& options, const StateTarget& target) {
+  const Runner runner(node, options);
+  const Shape& s = runner.shape();
+  const ggml_tensor* state = node->src[5];
+
+  States from{static_cast<float*>(state->data), static_cast<int64_t>(state->nb[3] / kFloat), 0};
+  const int64_t packed_sequence = s.heads * s.state_size();
+  States to{static_cast<float*>(node->data) + s.sequences * s.tokens * s.heads * s.S, packed_sequence,
+            s.sequences * packed_sequence};
+  if (target.cache != nullptr) to = States{target.cache, target.sequence_stride, target.snapshot_stride};
+
+  // The state after token t goes to slot T - 1 - t when that slot exists: one call up to the oldest
+  // kept state, then a call per further token, each from the slot the one before wrote.
+  const int64_t first_end = std::max<int64_t>(s.tokens - s.snapshots, 0) + 1;  // tokens of the first call
+  for (int64_t tile = 0; tile < s.tiles(); ++tile) {
+    const int64_t head0 = tile * s.key_heads;
+    runner.run(head0, 0, first_end, from.base, from.sequence_stride, to.slot(s.tokens - first_end),
+               to.sequence_stride);
+    for (int64_t t = first_end; t < s.tokens; ++t)
+      runner.run(head0, t, 1, to.slot(s.tokens - t), to.sequence_stride, to.slot(s.tokens - 1 - t),
+                 to.sequence_stride);
+  }
+}
+
+}  // namespace kda_ggml
