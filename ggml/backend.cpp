@@ -43,6 +43,20 @@ void log_decline_once(const std::string& why) {
     GGML_LOG_INFO("%s: GATED_DELTA_NET left to another backend: %s\n", "ggml-kda", why.c_str());
 }
 
+// Says once per process that kda runs the op, with the first node's shape: a user reading llama.cpp's
+// log then knows the backend is in use, not only loaded.
+void log_first_node(const ggml_tensor* node) {
+  static std::once_flag once;
+  std::call_once(once, [node] {
+    const ggml_tensor* v = node->src[2];
+    GGML_LOG_INFO(
+        "%s: GATED_DELTA_NET runs on kda (first node: S=%lld, H_k=%lld, H_v=%lld, T=%lld, N=%lld, %s gate)\n",
+        "ggml-kda", static_cast<long long>(v->ne[0]), static_cast<long long>(node->src[0]->ne[1]),
+        static_cast<long long>(v->ne[1]), static_cast<long long>(v->ne[2]), static_cast<long long>(v->ne[3]),
+        node->src[3]->ne[0] == 1 ? "scalar" : "per-channel");
+  });
+}
+
 bool is_view_or_noop(const ggml_tensor* t) {
   switch (t->op) {
     case GGML_OP_NONE:
@@ -134,6 +148,7 @@ ggml_status backend_graph_compute(ggml_backend_t backend, ggml_cgraph* graph) {
       if (node->op == GGML_OP_GATED_DELTA_NET) {
         kda_ggml::StateTarget target;
         const int copy = fused_copy_index(graph, i, &target);
+        log_first_node(node);
         kda_ggml::compute(node, options, target);
         if (copy >= 0) i = copy;  // the states are in the cache already
       } else if (!kda_ggml::compute_host_op(node)) {

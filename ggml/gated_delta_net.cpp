@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -43,8 +44,11 @@ Shape shape_of(const ggml_tensor* node) {
 }
 
 std::string dims(const ggml_tensor* t) {
-  return "[" + std::to_string(t->ne[0]) + ", " + std::to_string(t->ne[1]) + ", " + std::to_string(t->ne[2]) +
-         ", " + std::to_string(t->ne[3]) + "]";
+  char text[96];
+  std::snprintf(text, sizeof(text), "[%lld, %lld, %lld, %lld]", static_cast<long long>(t->ne[0]),
+                static_cast<long long>(t->ne[1]), static_cast<long long>(t->ne[2]),
+                static_cast<long long>(t->ne[3]));
+  return text;
 }
 
 // States in ggml's layout: sequence n, value head h of snapshot slot s at

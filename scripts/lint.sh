@@ -46,7 +46,7 @@ if ! "$clang_format" --dry-run -Werror "${sources[@]}"; then
   echo "lint: clang-format -i would change ${#unformatted[@]} file(s): ${unformatted[*]}" >&2
 fi
 
-python_dirs=(python tests/python tests/vllm bench examples)
+python_dirs=(python tests/python tests/vllm tests/ggml bench examples)
 echo "== lint: ruff check and ruff format --check over ${python_dirs[*]}"
 "$ruff" check "${python_dirs[@]}" || status=1
 "$ruff" format --check "${python_dirs[@]}" || status=1

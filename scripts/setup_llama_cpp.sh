@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Gets the pinned llama.cpp, builds the parts of it that kda's ggml backend and its tests use, and
-# builds the backend, libggml-kda.so (docs/llama_cpp.md). Safe to run again: it does only what is left.
+# builds the backend, build/libggml-kda.so (docs/llama_cpp.md). Safe to run again: it does only what is left.
 #
 # llama.cpp comes from the source distribution of llama-cpp-python on PyPI (its vendor/llama.cpp), got
 # by pip: no other network access. Source and build are cached by version under
@@ -10,7 +10,7 @@
 #
 #   KDA_JOBS             parallel compile jobs (default 2)
 #   KDA_LLAMA_CPP_CACHE  where the source and build live
-# Prints nothing else on stdout than the progress lines; the paths are in build-ggml/llama_cpp.env.
+# The paths it used are written to build/llama_cpp.env for the tests and benchmarks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -37,26 +37,42 @@ if [[ ! -f "$src/ggml/src/ggml-backend-impl.h" ]]; then
   rm -rf "$cache/pip-env" "$cache/download"
 fi
 
-# The tools the tests and benchmarks run: ggml's own op tests, the server, the benchmark and the
-# library (tests/ggml's logits driver links it).
-targets=(test-backend-ops llama-server llama-bench llama)
-if [[ ! -f "$build/build.ninja" ]]; then
-  echo "== llama.cpp: configure ($build)"
-  cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
-    -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_TOOLS=ON \
-    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF >/dev/null
-fi
-echo "== llama.cpp: build ${targets[*]}"
-cmake --build "$build" -j "$jobs" --target "${targets[@]}" | grep -v '^\[' || true
-for target in test-backend-ops llama-server llama-bench; do
-  [[ -x "$build/bin/$target" ]] || { echo "setup_llama_cpp: $build/bin/$target was not built" >&2; exit 1; }
+# The tools the tests run: ggml's own op tests, the server and the library (tests/ggml's logits
+# driver links it). bench/bench_llama_cpp.py builds llama-bench when it first needs it.
+targets=(test-backend-ops llama-server llama ggml-cpu)
+# Built as llama.cpp's releases are: every backend a module that ggml loads at start-up
+# (GGML_BACKEND_DL), which is when it also loads the one GGML_BACKEND_PATH names; a build with the
+# CPU backend linked in reads GGML_BACKEND_PATH only in the tools that load backends explicitly.
+# ggml refuses GGML_NATIVE there, so its CPU module gets this CPU's instruction sets by name.
+flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON -DGGML_NATIVE=OFF
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF)
+cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+  avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 amx_tile:AMX_TILE \
+  amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
+  [[ "$cpu_flags" == *" ${pair%%:*} "* ]] && flags+=("-DGGML_${pair#*:}=ON")
 done
+if [[ ! -f "$build/build.ninja" || "$(cat "$build/kda-configure-flags" 2>/dev/null)" != "${flags[*]}" ]]; then
+  echo "== llama.cpp: configure ($build)"
+  rm -rf "$build"
+  cmake -S "$src" -B "$build" -G Ninja "${flags[@]}" >/dev/null
+  echo "${flags[*]}" >"$build/kda-configure-flags"
+fi
+echo "== llama.cpp: build ${targets[*]} (log: $build/build.log)"
+if ! cmake --build "$build" -j "$jobs" --target "${targets[@]}" >"$build/build.log" 2>&1; then
+  grep -E "error|Error" "$build/build.log" | head -20 >&2
+  echo "setup_llama_cpp: the llama.cpp build failed; see $build/build.log" >&2
+  exit 1
+fi
 
-echo "== kda: the ggml backend (build-ggml/libggml-kda.so)"
-cmake --preset ggml -DKDA_LLAMA_CPP_SOURCE="$src" -DKDA_LLAMA_CPP_BUILD="$build" >/dev/null
-cmake --build --preset ggml -j "$jobs"
-cat > build-ggml/llama_cpp.env <<ENV
+# The backend and its test driver join the Release build (build/, scripts/setup.sh's), so that kda
+# itself is not compiled a second time.
+echo "== kda: the ggml backend (build/libggml-kda.so)"
+cmake --preset release -DKDA_BUILD_GGML=ON -DKDA_LLAMA_CPP_SOURCE="$src" -DKDA_LLAMA_CPP_BUILD="$build" >/dev/null
+cmake --build --preset release -j "$jobs" --target ggml-kda kda_llama_logits kda_ggml_op_bench
+cat > build/llama_cpp.env <<ENV
 KDA_LLAMA_CPP_SOURCE=$src
 KDA_LLAMA_CPP_BUILD=$build
 ENV
-echo "setup_llama_cpp: build-ggml/libggml-kda.so against llama.cpp in $build"
+echo "setup_llama_cpp: build/libggml-kda.so against llama.cpp in $build"
