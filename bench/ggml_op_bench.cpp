@@ -5,8 +5,10 @@
 //   GGML_BACKEND_PATH=build/libggml-kda.so kda_ggml_op_bench --heads 16,32 --head-size 128 --tokens 512
 //       [--sequences 1] [--gate scalar|channel] [--cache-copy] [--threads 2] [--rounds 7]
 //
-// --heads H_k,H_v: key and value heads. --cache-copy adds the copy of the final state into a recurrent
-// cache that llama.cpp's graph makes after the op (the kda backend fuses it away).
+// --heads H_k,H_v: key and value heads. --only CPU|KDA times one backend alone. --cache-copy adds the
+// copy of
+// the final state into a recurrent cache that llama.cpp's graph makes after the op (the kda backend fuses it
+// away).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -32,6 +34,7 @@ struct Options {
   int64_t key_heads = 16, heads = 32, S = 128, tokens = 512, sequences = 1;
   bool per_channel_gate = false, cache_copy = false;
   int threads = 2, rounds = 7;
+  std::string only;  // "CPU" or "KDA": time one backend alone (the other's rounds are skipped)
 };
 
 // One graph of the op on one backend, its tensors in that backend's buffer.
@@ -145,6 +148,8 @@ int main(int argc, char** argv) {
       o.threads = std::stoi(value());
     else if (flag == "--rounds")
       o.rounds = std::stoi(value());
+    else if (flag == "--only")
+      o.only = value();
     else
       die("unknown flag " + flag);
   }
@@ -165,6 +170,10 @@ int main(int argc, char** argv) {
   std::vector<double> times[2];
   for (int round = -1; round < o.rounds; ++round)
     for (int b = 0; b < 2; ++b) {
+      if (!o.only.empty() && o.only != names[b]) {
+        if (round >= 0) times[b].push_back(0.0);
+        continue;
+      }
       const auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r)
         if (ggml_backend_graph_compute(backends[b], graphs[b].graph) != GGML_STATUS_SUCCESS)

@@ -73,8 +73,10 @@ kda::Input input_of(const ggml_tensor* t, int64_t token0, int64_t head0, int64_t
   return in;
 }
 
-// One kda call: the value heads [head0, head0 + H_k) of every sequence (they read key heads
-// 0..H_k-1 in order), tokens [token0, token0 + count), from the states at `from` to those at `to`.
+// One kda call over tokens [token0, token0 + count), from the states at `from` to those at `to`.
+// Either the value heads [head0, head0 + H_k) of every sequence (they read key heads 0..H_k-1 in
+// order), or, for a single sequence, every value head at once: tile b (heads [b H_k, (b + 1) H_k))
+// is then kda's batch entry b, all entries reading the same q and k (batch stride 0).
 class Runner {
  public:
   Runner(const ggml_tensor* node, const kda::RunOptions& options)
@@ -85,49 +87,32 @@ class Runner {
 
   const Shape& shape() const { return shape_; }
 
+  // Every tile of a single sequence in one call.
+  void run_tiles(int64_t token0, int64_t count, const float* from, float* to) const {
+    const Shape& s = shape_;
+    Call c = call(token0, count, s.tiles(), 0);
+    const int64_t tile_stride = s.key_heads;  // heads from one tile to the next
+    for (kda::Input* in : {&c.in.v, &c.in.g, &c.in.beta}) in->stride_b = tile_stride * in->stride_h;
+    c.in.q.stride_b = c.in.k.stride_b = 0;
+    c.out.o.stride_b = tile_stride * s.S;
+    c.in.initial_state = from;  // [tiles, H_k, V, K]: the sequence's heads in order
+    c.out.final_state = to;
+    kda::chunk_forward(kda::prepare(c.problem), c.in, c.out, options_);
+  }
+
+  // The heads of one tile, every sequence.
   void run(int64_t head0, int64_t token0, int64_t count, const float* from, int64_t from_stride, float* to,
            int64_t to_stride) const {
     const Shape& s = shape_;
-    const ggml_tensor* const* src = node_->src;
-    kda::Problem p;
-    p.batch = s.sequences;
-    p.seq_len = count;
-    p.heads = s.key_heads;
-    p.value_heads = s.key_heads;
-    p.key_dim = s.S;
-    p.value_dim = s.S;
-    // ggml scales the output by this float; kda scales q by the same float.
-    p.scale = static_cast<double>(1.0f / std::sqrt(static_cast<float>(s.S)));
-    p.state_layout = kda::StateLayout::v_first;
-    p.gate = kda::GateMode::log_decay;
-    p.beta = kda::BetaMode::given;
-    p.gate_width = s.per_key ? kda::GateWidth::per_key : kda::GateWidth::per_head;
-    const kda::Prepared prepared = kda::prepare(p);
-
-    kda::ForwardInputs in;
-    in.q = input_of(src[0], token0, 0, s.key_heads, s.S);
-    in.k = input_of(src[1], token0, 0, s.key_heads, s.S);
-    in.v = input_of(src[2], token0, head0, s.key_heads, s.S);
-    in.g = input_of(src[3], token0, head0, s.key_heads, s.per_key ? s.S : 1);
-    in.beta = input_of(src[4], token0, head0, s.key_heads, 1);
-
-    kda::ForwardOutputs out;
-    float* o = static_cast<float*>(node_->data) + (token0 * s.heads + head0) * s.S;
-    out.o.data = o;
-    out.o.dtype = kda::DType::f32;
-    out.o.stride_b = s.tokens * s.heads * s.S;
-    out.o.stride_t = s.heads * s.S;
-    out.o.stride_h = s.S;
-    out.o.heads = s.key_heads;
-    out.o.dim = s.S;
-
+    Call c = call(token0, count, s.sequences, head0);
+    const kda::Prepared prepared = kda::prepare(c.problem);
     const int64_t packed = s.key_heads * s.state_size();
     const int64_t head_offset = head0 * s.state_size();
     if (s.sequences == 1 || (from_stride == packed && to_stride == packed)) {
       // The heads of a call are contiguous per sequence, and the sequences follow each other.
-      in.initial_state = from + head_offset;
-      out.final_state = to + head_offset;
-      kda::chunk_forward(prepared, in, out, options_);
+      c.in.initial_state = from + head_offset;
+      c.out.final_state = to + head_offset;
+      kda::chunk_forward(prepared, c.in, c.out, options_);
       return;
     }
     // Sequences further apart than a call's heads: the states are updated in place as pool slots
@@ -143,11 +128,54 @@ class Runner {
     pooled.pool.num_slots = s.sequences;
     pooled.pool.slot_stride = to_stride;
     pooled.indices = kda::make_indices(sequence_ids_.data(), s.sequences);
-    in.pooled_states = &pooled;
-    kda::chunk_forward(prepared, in, out, options_);
+    c.in.pooled_states = &pooled;
+    kda::chunk_forward(prepared, c.in, c.out, options_);
   }
 
  private:
+  struct Call {
+    kda::Problem problem;
+    kda::ForwardInputs in;
+    kda::ForwardOutputs out;
+  };
+
+  // The problem and views of `batch` entries of H_k heads from value head head0 on (batch entries
+  // are the sequences; run_tiles() re-strides them), without states.
+  Call call(int64_t token0, int64_t count, int64_t batch, int64_t head0) const {
+    const Shape& s = shape_;
+    const ggml_tensor* const* src = node_->src;
+    Call c;
+    kda::Problem& p = c.problem;
+    p.batch = batch;
+    p.seq_len = count;
+    p.heads = s.key_heads;
+    p.value_heads = s.key_heads;
+    p.key_dim = s.S;
+    p.value_dim = s.S;
+    // ggml scales the output by this float; kda scales q by the same float.
+    p.scale = static_cast<double>(1.0f / std::sqrt(static_cast<float>(s.S)));
+    p.state_layout = kda::StateLayout::v_first;
+    p.gate = kda::GateMode::log_decay;
+    p.beta = kda::BetaMode::given;
+    p.gate_width = s.per_key ? kda::GateWidth::per_key : kda::GateWidth::per_head;
+
+    c.in.q = input_of(src[0], token0, 0, s.key_heads, s.S);
+    c.in.k = input_of(src[1], token0, 0, s.key_heads, s.S);
+    c.in.v = input_of(src[2], token0, head0, s.key_heads, s.S);
+    c.in.g = input_of(src[3], token0, head0, s.key_heads, s.per_key ? s.S : 1);
+    c.in.beta = input_of(src[4], token0, head0, s.key_heads, 1);
+
+    kda::Output& o = c.out.o;
+    o.data = static_cast<float*>(node_->data) + (token0 * s.heads + head0) * s.S;
+    o.dtype = kda::DType::f32;
+    o.stride_b = s.tokens * s.heads * s.S;
+    o.stride_t = s.heads * s.S;
+    o.stride_h = s.S;
+    o.heads = s.key_heads;
+    o.dim = s.S;
+    return c;
+  }
+
   const ggml_tensor* node_;
   Shape shape_;
   kda::RunOptions options_;
@@ -216,6 +244,12 @@ void compute(const ggml_tensor* node, const kda::RunOptions& options, const Stat
   // The state after token t goes to slot T - 1 - t when that slot exists: one call up to the oldest
   // kept state, then a call per further token, each from the slot the one before wrote.
   const int64_t first_end = std::max<int64_t>(s.tokens - s.snapshots, 0) + 1;  // tokens of the first call
+  if (s.sequences == 1) {
+    runner.run_tiles(0, first_end, from.base, to.slot(s.tokens - first_end));
+    for (int64_t t = first_end; t < s.tokens; ++t)
+      runner.run_tiles(t, 1, to.slot(s.tokens - t), to.slot(s.tokens - 1 - t));
+    return;
+  }
   for (int64_t tile = 0; tile < s.tiles(); ++tile) {
     const int64_t head0 = tile * s.key_heads;
     runner.run(head0, 0, first_end, from.base, from.sequence_stride, to.slot(s.tokens - first_end),
