@@ -57,6 +57,16 @@ void log_first_node(const ggml_tensor* node) {
   });
 }
 
+// Says once per process that the copy into the recurrent cache was fused away.
+void log_fused_copy_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    GGML_LOG_INFO(
+        "%s: GATED_DELTA_NET writes its states straight into the recurrent cache (the copy is fused)\n",
+        "ggml-kda");
+  });
+}
+
 bool is_view_or_noop(const ggml_tensor* t) {
   switch (t->op) {
     case GGML_OP_NONE:
@@ -75,8 +85,8 @@ bool overlaps(const ggml_tensor* a, const char* lo, const char* hi) {
 }
 
 // The copy of a gated delta net's state snapshots into a recurrent cache, as llama.cpp writes it:
-// `cpy` copies a contiguous view of the result's states (all the snapshots it wrote) into a
-// [S*S*H_v, N, snapshots] view whose rows are contiguous. Returns the cache target, or none.
+// `cpy` copies a contiguous view of the result's states (all the snapshots it wrote) into a view of
+// the cache. Returns the cache target, or none.
 kda_ggml::StateTarget cache_copy_target(const ggml_tensor* gdn, const ggml_tensor* cpy) {
   if (gdn->op != GGML_OP_GATED_DELTA_NET || cpy->op != GGML_OP_CPY) return {};
   if ((gdn->flags & GGML_TENSOR_FLAG_OUTPUT) || (cpy->flags & GGML_TENSOR_FLAG_OUTPUT)) return {};
@@ -90,10 +100,18 @@ kda_ggml::StateTarget cache_copy_target(const ggml_tensor* gdn, const ggml_tenso
       !ggml_is_contiguous(from) || from->type != GGML_TYPE_F32 ||
       ggml_nelements(from) != written * N * H * S * S)
     return {};
-  if (cache->type != GGML_TYPE_F32 || cache->nb[0] != sizeof(float) || cache->ne[0] != S * S * H ||
-      cache->ne[1] != N || cache->ne[2] != written || cache->ne[3] != 1 ||
-      cache->nb[1] % sizeof(float) != 0 || cache->nb[2] % sizeof(float) != 0)
-    return {};
+  // The cache view: [S*S*H_v, N, snapshots] with contiguous rows (llama.cpp's Qwen graphs), or any
+  // contiguous run of those floats in that order (its Kimi Linear graph copies into a 1-D view).
+  const int64_t D = S * S * H;
+  int64_t sequence_stride = D, snapshot_stride = N * D;
+  if (cache->type != GGML_TYPE_F32 || ggml_nelements(cache) != written * N * D) return {};
+  if (!ggml_is_contiguous(cache)) {
+    if (cache->nb[0] != sizeof(float) || cache->ne[0] != D || cache->ne[1] != N || cache->ne[2] != written ||
+        cache->ne[3] != 1 || cache->nb[1] % sizeof(float) != 0 || cache->nb[2] % sizeof(float) != 0)
+      return {};
+    sequence_stride = static_cast<int64_t>(cache->nb[1] / sizeof(float));
+    snapshot_stride = static_cast<int64_t>(cache->nb[2] / sizeof(float));
+  }
   // The cache must be apart from the node's inputs: kda reads them while it writes the states.
   const char* lo = static_cast<const char*>(cache->data);
   const char* hi = lo + ggml_nbytes(cache);
@@ -101,8 +119,8 @@ kda_ggml::StateTarget cache_copy_target(const ggml_tensor* gdn, const ggml_tenso
     if (overlaps(gdn->src[i], lo, hi)) return {};
   kda_ggml::StateTarget target;
   target.cache = static_cast<float*>(cache->data);
-  target.sequence_stride = static_cast<int64_t>(cache->nb[1] / sizeof(float));
-  target.snapshot_stride = static_cast<int64_t>(cache->nb[2] / sizeof(float));
+  target.sequence_stride = sequence_stride;
+  target.snapshot_stride = snapshot_stride;
   return target;
 }
 
@@ -150,7 +168,10 @@ ggml_status backend_graph_compute(ggml_backend_t backend, ggml_cgraph* graph) {
         const int copy = fused_copy_index(graph, i, &target);
         log_first_node(node);
         kda_ggml::compute(node, options, target);
-        if (copy >= 0) i = copy;  // the states are in the cache already
+        if (copy >= 0) {
+          log_fused_copy_once();
+          i = copy;  // the states are in the cache already
+        }
       } else if (!kda_ggml::compute_host_op(node)) {
         GGML_LOG_ERROR("%s: asked to compute %s, which it does not claim\n", "ggml-kda",
                        ggml_op_name(node->op));

@@ -138,6 +138,7 @@ def test_model_same_tokens_and_logits(models, tmp_path, name, sequences):
     (cpu_prompt, cpu_tokens, cpu_steps), _, reference = run_llama(models, tmp_path, name, False, sequences)
     (kda_prompt, kda_tokens, kda_steps), log, _ = run_llama(models, tmp_path, name, True, sequences)
     assert "GATED_DELTA_NET runs on kda" in log, log[-3000:]
+    assert "straight into the recurrent cache" in log, log[-3000:]  # llama.cpp's state copy, fused
     np.testing.assert_array_equal(kda_tokens, cpu_tokens)
     assert rel(kda_prompt, cpu_prompt) < 1e-5
     assert rel(kda_steps, cpu_steps) < 1e-5
