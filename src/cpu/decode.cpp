@@ -56,8 +56,9 @@ HWY_INLINE int64_t line_elements() {
   return std::max<int64_t>(64 / static_cast<int64_t>(sizeof(Src)), lanes());
 }
 
-// The state bytes below which one more decode worker does not pay for its wake-up (see Decode).
-constexpr int64_t kDecodeBytesPerWorker = int64_t{4} << 20;
+// The state bytes below which one more decode worker does not pay for its wake-up (see Decode): a
+// request of 32 heads of 128 x 128 fp32 state (2 MiB) gets two.
+constexpr int64_t kDecodeBytesPerWorker = int64_t{1} << 20;
 
 // How far ahead of the rows being updated the state is prefetched.
 constexpr int64_t kPrefetchBytes = 2048;
@@ -447,6 +448,9 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
     }
   };
   const int64_t line = line_elements<Src>();
+  // A destination apart from the source (a step from one buffer to another, not in place): its
+  // lines would otherwise be read for ownership only when the second pass stores to them.
+  [[maybe_unused]] const bool apart = static_cast<const void*>(dst) != static_cast<const void*>(src);
   int64_t i = 0;
   if constexpr (kPairs) {
     for (; i + step <= K; i += step) {
@@ -464,6 +468,10 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
       if (ahead != nullptr) ahead->step();
       if (next_rows != nullptr)
         for (int r = 0; r < R; ++r) hwy::Prefetch(next_rows + r * K + i);
+      if (apart)  // the destination's lines of this pass, which the second pass writes, fetched for writing
+        for (int r = 0; r < R; ++r)
+          for (size_t b = 0; b < sizeof(Dst) * static_cast<size_t>(line); b += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(dst + (r0 + r) * K + i) + b, 1, 3);
       for (int64_t j = i; j < i + line; j += L) sum_vector(j);
     }
     if (next_rows != nullptr && i < K)
@@ -943,10 +951,10 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   // Each worker takes a contiguous share of the (request, head) items, so that it knows what it reads
   // next: the next item's token rows and state are prefetched (NextState).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
-  // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves:
-  // one request of 32 heads of 128 x 128 (2 MiB) took 140 us on one thread and 204 us on two inside
-  // a torch process, 4 MiB 243 vs 318 us, 8 MiB 546 vs 354 us (2026-12-03, two Zen 5 cores). The
-  // items' results do not depend on the worker that computes them, so this changes no result.
+  // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves
+  // (docs/performance.md, "2026-12-06, llama.cpp", has the figures: 4 MiB on two Zen 5 cores while kda's
+  // helpers were its own threads inside vLLM; 1 MiB on the Xeon with the workers on OpenMP's team or its
+  // own). The items' results do not depend on the worker that computes them, so this changes no result.
   const int64_t state_bytes = items * plan.K * plan.V * static_cast<int64_t>(sizeof(float));
   const int64_t shares =
       std::clamp<int64_t>(state_bytes / kDecodeBytesPerWorker, 1, std::min<int64_t>(items, run.threads()));
