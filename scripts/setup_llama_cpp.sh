@@ -48,9 +48,10 @@ flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON -D
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF)
 cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+# Not AMX: ggml's AMX kernels for quantized weights stopped with an illegal instruction (TILEZERO) on
+# a 2-core Xeon VM, in stock llama-bench on a Q8_0 model.
 for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
-  avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 amx_tile:AMX_TILE \
-  amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
+  avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
   [[ "$cpu_flags" == *" ${pair%%:*} "* ]] && flags+=("-DGGML_${pair#*:}=ON")
 done
 if [[ ! -f "$build/build.ninja" || "$(cat "$build/kda-configure-flags" 2>/dev/null)" != "${flags[*]}" ]]; then
