@@ -80,10 +80,7 @@ kda::Input input_of(const ggml_tensor* t, int64_t token0, int64_t head0, int64_t
 class Runner {
  public:
   Runner(const ggml_tensor* node, const kda::RunOptions& options)
-      : node_(node), shape_(shape_of(node)), options_(options) {
-    sequence_ids_.resize(static_cast<size_t>(shape_.sequences));
-    std::iota(sequence_ids_.begin(), sequence_ids_.end(), int64_t{0});
-  }
+      : node_(node), shape_(shape_of(node)), options_(options) {}
 
   const Shape& shape() const { return shape_; }
 
@@ -122,12 +119,14 @@ class Runner {
         std::memcpy(to + n * to_stride + head_offset, from + n * from_stride + head_offset,
                     static_cast<size_t>(packed) * kFloat);
     }
+    std::vector<int64_t> sequence_ids(static_cast<size_t>(s.sequences));  // slot n = sequence n
+    std::iota(sequence_ids.begin(), sequence_ids.end(), int64_t{0});
     kda::PooledStates pooled;
     pooled.pool.data = to + head_offset;
     pooled.pool.dtype = kda::DType::f32;
     pooled.pool.num_slots = s.sequences;
     pooled.pool.slot_stride = to_stride;
-    pooled.indices = kda::make_indices(sequence_ids_.data(), s.sequences);
+    pooled.indices = kda::make_indices(sequence_ids.data(), s.sequences);
     c.in.pooled_states = &pooled;
     kda::chunk_forward(prepared, c.in, c.out, options_);
   }
@@ -179,7 +178,6 @@ class Runner {
   const ggml_tensor* node_;
   Shape shape_;
   kda::RunOptions options_;
-  std::vector<int64_t> sequence_ids_;
 };
 
 }  // namespace

@@ -82,10 +82,11 @@ def read_logits(path):
     return prompt, tokens, steps
 
 
-def run_llama(models, tmp_path, name, backend, sequences=1, threads=2):
+def run_llama(models, tmp_path, name, backend, sequences=1, threads=2, prompt_ids=None):
     reference = np.load(models / f"{name}.reference.npz")
-    out = tmp_path / f"{name}-{'kda' if backend else 'cpu'}-{sequences}-{threads}.bin"
-    prompt = ",".join(str(t) for t in reference["prompt"])
+    ids = reference["prompt"] if prompt_ids is None else prompt_ids
+    out = tmp_path / f"{name}-{'kda' if backend else 'cpu'}-{sequences}-{threads}-{len(ids)}.bin"
+    prompt = ",".join(str(int(t)) for t in ids)
     args = [
         str(DRIVER),
         str(models / f"{name}.gguf"),
@@ -213,6 +214,8 @@ def test_llama_server_answers_with_the_backend(llama, models, tmp_path):
     _, build = llama
     name = "qwen3_5"
     (_, tokens, _), _, reference = run_llama(models, tmp_path, name, False)
+    one_token = [int(reference["prompt"][0])]
+    (_, one_token_tokens, _), _, _ = run_llama(models, tmp_path, name, False, prompt_ids=one_token)
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
@@ -249,8 +252,8 @@ def test_llama_server_answers_with_the_backend(llama, models, tmp_path):
         greedy = dict(n_predict=GENERATE, temperature=0.0, top_k=1, return_tokens=True, cache_prompt=False)
         answer = post(port, "/completion", dict(greedy, prompt=[int(t) for t in reference["prompt"]]))
         assert answer["tokens"] == [int(t) for t in tokens[0]]
-        one = post(port, "/completion", dict(greedy, prompt=[int(reference["prompt"][0])]))
-        assert len(one["tokens"]) == GENERATE
+        one = post(port, "/completion", dict(greedy, prompt=one_token))
+        assert one["tokens"] == [int(t) for t in one_token_tokens[0]]
     finally:
         server.terminate()
         server.wait(timeout=30)
