@@ -61,9 +61,9 @@ struct States {
   float* slot(int64_t s) const { return base + s * snapshot_stride; }
 };
 
-kda::Input input_of(const ggml_tensor* t, int64_t token0, int64_t head0, int64_t heads, int64_t dim) {
+kda::Input input_of(const ggml_tensor* t, int64_t sequence0, int64_t token0, int64_t heads, int64_t dim) {
   kda::Input in;
-  in.data = static_cast<const char*>(t->data) + token0 * t->nb[2] + head0 * t->nb[1];
+  in.data = static_cast<const char*>(t->data) + sequence0 * t->nb[3] + token0 * t->nb[2];
   in.dtype = kda::DType::f32;
   in.stride_b = static_cast<int64_t>(t->nb[3] / kFloat);
   in.stride_t = static_cast<int64_t>(t->nb[2] / kFloat);
@@ -74,8 +74,8 @@ kda::Input input_of(const ggml_tensor* t, int64_t token0, int64_t head0, int64_t
 }
 
 // One kda call over tokens [token0, token0 + count), from the states at `from` to those at `to`.
-// Either the value heads [head0, head0 + H_k) of every sequence (they read key heads 0..H_k-1 in
-// order), or, for a single sequence, every value head at once: tile b (heads [b H_k, (b + 1) H_k))
+// Either every sequence at once when the heads are not tiled (H_v == H_k), or one sequence's
+// value heads at once: tile b (heads [b H_k, (b + 1) H_k), which read key heads 0..H_k-1 in order)
 // is then kda's batch entry b, all entries reading the same q and k (batch stride 0).
 class Runner {
  public:
@@ -84,10 +84,10 @@ class Runner {
 
   const Shape& shape() const { return shape_; }
 
-  // Every tile of a single sequence in one call.
-  void run_tiles(int64_t token0, int64_t count, const float* from, float* to) const {
+  // Every tile of sequence n in one call; `from` and `to` point at the sequence's states.
+  void run_tiles(int64_t n, int64_t token0, int64_t count, const float* from, float* to) const {
     const Shape& s = shape_;
-    Call c = call(token0, count, s.tiles(), 0);
+    Call c = call(n, token0, count, s.tiles());
     const int64_t tile_stride = s.key_heads;  // heads from one tile to the next
     for (kda::Input* in : {&c.in.v, &c.in.g, &c.in.beta}) in->stride_b = tile_stride * in->stride_h;
     c.in.q.stride_b = c.in.k.stride_b = 0;
@@ -97,18 +97,17 @@ class Runner {
     kda::chunk_forward(kda::prepare(c.problem), c.in, c.out, options_);
   }
 
-  // The heads of one tile, every sequence.
-  void run(int64_t head0, int64_t token0, int64_t count, const float* from, int64_t from_stride, float* to,
-           int64_t to_stride) const {
+  // Every sequence in one call, when the heads are not tiled.
+  void run_sequences(int64_t token0, int64_t count, const float* from, int64_t from_stride, float* to,
+                     int64_t to_stride) const {
     const Shape& s = shape_;
-    Call c = call(token0, count, s.sequences, head0);
+    Call c = call(0, token0, count, s.sequences);
     const kda::Prepared prepared = kda::prepare(c.problem);
-    const int64_t packed = s.key_heads * s.state_size();
-    const int64_t head_offset = head0 * s.state_size();
-    if (s.sequences == 1 || (from_stride == packed && to_stride == packed)) {
-      // The heads of a call are contiguous per sequence, and the sequences follow each other.
-      c.in.initial_state = from + head_offset;
-      c.out.final_state = to + head_offset;
+    const int64_t packed = s.heads * s.state_size();
+    if (from_stride == packed && to_stride == packed) {
+      // The sequences' states follow each other.
+      c.in.initial_state = from;
+      c.out.final_state = to;
       kda::chunk_forward(prepared, c.in, c.out, options_);
       return;
     }
@@ -116,13 +115,12 @@ class Runner {
     // (slot n = sequence n), after a copy of the starting states when they live elsewhere.
     if (from != to) {
       for (int64_t n = 0; n < s.sequences; ++n)
-        std::memcpy(to + n * to_stride + head_offset, from + n * from_stride + head_offset,
-                    static_cast<size_t>(packed) * kFloat);
+        std::memcpy(to + n * to_stride, from + n * from_stride, static_cast<size_t>(packed) * kFloat);
     }
     std::vector<int64_t> sequence_ids(static_cast<size_t>(s.sequences));  // slot n = sequence n
     std::iota(sequence_ids.begin(), sequence_ids.end(), int64_t{0});
     kda::PooledStates pooled;
-    pooled.pool.data = to + head_offset;
+    pooled.pool.data = to;
     pooled.pool.dtype = kda::DType::f32;
     pooled.pool.num_slots = s.sequences;
     pooled.pool.slot_stride = to_stride;
@@ -138,9 +136,9 @@ class Runner {
     kda::ForwardOutputs out;
   };
 
-  // The problem and views of `batch` entries of H_k heads from value head head0 on (batch entries
-  // are the sequences; run_tiles() re-strides them), without states.
-  Call call(int64_t token0, int64_t count, int64_t batch, int64_t head0) const {
+  // The problem and views of `batch` entries of H_k heads from sequence n0 on (batch entries are
+  // the sequences; run_tiles() re-strides them to be the tiles), without states.
+  Call call(int64_t n0, int64_t token0, int64_t count, int64_t batch) const {
     const Shape& s = shape_;
     const ggml_tensor* const* src = node_->src;
     Call c;
@@ -158,14 +156,14 @@ class Runner {
     p.beta = kda::BetaMode::given;
     p.gate_width = s.per_key ? kda::GateWidth::per_key : kda::GateWidth::per_head;
 
-    c.in.q = input_of(src[0], token0, 0, s.key_heads, s.S);
-    c.in.k = input_of(src[1], token0, 0, s.key_heads, s.S);
-    c.in.v = input_of(src[2], token0, head0, s.key_heads, s.S);
-    c.in.g = input_of(src[3], token0, head0, s.key_heads, s.per_key ? s.S : 1);
-    c.in.beta = input_of(src[4], token0, head0, s.key_heads, 1);
+    c.in.q = input_of(src[0], n0, token0, s.key_heads, s.S);
+    c.in.k = input_of(src[1], n0, token0, s.key_heads, s.S);
+    c.in.v = input_of(src[2], n0, token0, s.key_heads, s.S);
+    c.in.g = input_of(src[3], n0, token0, s.key_heads, s.per_key ? s.S : 1);
+    c.in.beta = input_of(src[4], n0, token0, s.key_heads, 1);
 
     kda::Output& o = c.out.o;
-    o.data = static_cast<float*>(node_->data) + (token0 * s.heads + head0) * s.S;
+    o.data = static_cast<float*>(node_->data) + ((n0 * s.tokens + token0) * s.heads) * s.S;
     o.dtype = kda::DType::f32;
     o.stride_b = s.tokens * s.heads * s.S;
     o.stride_t = s.heads * s.S;
@@ -242,20 +240,25 @@ void compute(const ggml_tensor* node, const kda::RunOptions& options, const Stat
   // The state after token t goes to slot T - 1 - t when that slot exists: one call up to the oldest
   // kept state, then a call per further token, each from the slot the one before wrote.
   const int64_t first_end = std::max<int64_t>(s.tokens - s.snapshots, 0) + 1;  // tokens of the first call
-  if (s.sequences == 1) {
-    runner.run_tiles(0, first_end, from.base, to.slot(s.tokens - first_end));
-    for (int64_t t = first_end; t < s.tokens; ++t)
-      runner.run_tiles(t, 1, to.slot(s.tokens - t), to.slot(s.tokens - 1 - t));
+  if (s.sequences == 1 || s.tiles() > 1) {
+    // Tiled heads: a call per sequence, whose tiles are the batch. Each call holds every head's
+    // state and reads them from `from` while it writes `to`, where a call per tile over every
+    // sequence would need the states copied first (the pool is updated in place): measured at
+    // 4 sequences of Qwen3.5's heads, 2.5x faster than the tile calls.
+    for (int64_t n = 0; n < s.sequences; ++n) {
+      const float* from_n = from.base + n * from.sequence_stride;
+      const auto to_n = [&](int64_t slot) { return to.slot(slot) + n * to.sequence_stride; };
+      runner.run_tiles(n, 0, first_end, from_n, to_n(s.tokens - first_end));
+      for (int64_t t = first_end; t < s.tokens; ++t)
+        runner.run_tiles(n, t, 1, to_n(s.tokens - t), to_n(s.tokens - 1 - t));
+    }
     return;
   }
-  for (int64_t tile = 0; tile < s.tiles(); ++tile) {
-    const int64_t head0 = tile * s.key_heads;
-    runner.run(head0, 0, first_end, from.base, from.sequence_stride, to.slot(s.tokens - first_end),
-               to.sequence_stride);
-    for (int64_t t = first_end; t < s.tokens; ++t)
-      runner.run(head0, t, 1, to.slot(s.tokens - t), to.sequence_stride, to.slot(s.tokens - 1 - t),
-                 to.sequence_stride);
-  }
+  runner.run_sequences(0, first_end, from.base, from.sequence_stride, to.slot(s.tokens - first_end),
+                       to.sequence_stride);
+  for (int64_t t = first_end; t < s.tokens; ++t)
+    runner.run_sequences(t, 1, to.slot(s.tokens - t), to.sequence_stride, to.slot(s.tokens - 1 - t),
+                         to.sequence_stride);
 }
 
 }  // namespace kda_ggml
