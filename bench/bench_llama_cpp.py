@@ -1,24 +1,38 @@
 """llama.cpp's GATED_DELTA_NET on kda's ggml backend against ggml's own CPU op, side by side.
 
-The op alone (build/kda_ggml_op_bench: both backends in one process, rounds alternated, medians) at
-decode (one token, with and without the copy of the state into the recurrent cache that llama.cpp's
-graph makes after it) and at prefill chunk sizes, for Qwen3.5's head shapes (16 key heads, 32 value
-heads, S = 128, scalar gate) and Kimi Linear's (32 heads, S = 128, per-channel gate). Prints a table
-and the ratios; --json adds the raw lines.
+--op: the op alone (build/kda_ggml_op_bench: both backends in one process, rounds alternated,
+medians) at decode (one token, with and without the copy of the state into the recurrent cache that
+llama.cpp's graph makes after it) and at prefill chunk sizes, for Qwen3.5's head shapes (16 key
+heads, 32 value heads, S = 128, scalar gate) and Kimi Linear's (32 heads, S = 128, per-channel gate).
 
-    python bench/bench_llama_cpp.py [--threads 2] [--rounds 7] [--json]
+--models: end to end, on 4-layer models with real layer sizes and random weights, F16 and Q8_0
+(bench/make_llama_models.py, made once into build/llama_bench_models):
+  1. the op's share of stock llama.cpp's time and its speed-up inside the model, from
+     build/kda_llama_op_share (each node timed alone through the scheduler's evaluation callback;
+     the run's time from llama.cpp's own counters), and the end-to-end speed-up that share predicts,
+     1 / (1 - share + share / op speed-up);
+  2. llama-bench pp512, pp2048 and tg128, stock and with the backend, in alternated rounds, tokens
+     per second as medians of every sample: the measured speed-up, and the fraction of the predicted
+     gain it reaches.
 
-Needs scripts/setup_llama_cpp.sh. Measure on an otherwise idle machine.
+    python bench/bench_llama_cpp.py [--op] [--models] [--threads 2] [--rounds 7] [--json]
+
+Neither flag: both. Needs scripts/setup_llama_cpp.sh. Measure on an otherwise idle machine.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build"
+KDA_BACKEND = dict(os.environ, GGML_BACKEND_PATH=str(BUILD / "libggml-kda.so"))
+STOCK = {k: v for k, v in os.environ.items() if k != "GGML_BACKEND_PATH"}
+MODEL_TESTS = [("pp", 512), ("pp", 2048), ("tg", 128)]
 SHAPES = {
     "Qwen3.5": dict(heads="16,32", gate="scalar"),
     "Kimi Linear": dict(heads="32,32", gate="channel"),
@@ -50,21 +64,92 @@ def run(shape, tokens, sequences, cache_copy, threads, rounds):
     ]
     if cache_copy:
         args.append("--cache-copy")
-    env = dict(os.environ, GGML_BACKEND_PATH=str(BUILD / "libggml-kda.so"))
-    done = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(args, env=KDA_BACKEND, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def llama_cpp_paths():
+    env = dict(line.split("=", 1) for line in (BUILD / "llama_cpp.env").read_text().split())
+    return Path(env["KDA_LLAMA_CPP_SOURCE"]), Path(env["KDA_LLAMA_CPP_BUILD"])
+
+
+def op_share(model, kind, tokens, threads, repeat, env):
+    flag = "--prompt" if kind == "pp" else "--generate"
+    args = [str(BUILD / "kda_llama_op_share"), str(model), flag, str(tokens), "--threads", str(threads)]
+    done = subprocess.run(
+        [*args, "--repeat", str(repeat)], env=env, capture_output=True, text=True, check=True
     )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--json", action="store_true")
-    a = parser.parse_args()
-    if not (BUILD / "kda_ggml_op_bench").exists():
-        raise SystemExit("build/kda_ggml_op_bench is missing: run scripts/setup_llama_cpp.sh")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_bench(binary, model, threads, repetitions, env):
+    """Tokens per second of every sample, by test name (pp512, ...)."""
+    tests = ",".join(str(n) for kind, n in MODEL_TESTS if kind == "pp")
+    gen = ",".join(str(n) for kind, n in MODEL_TESTS if kind == "tg")
+    args = [str(binary), "-m", str(model), "-p", tests, "-n", gen, "-t", str(threads)]
+    done = subprocess.run(
+        [*args, "-r", str(repetitions), "-o", "json"], env=env, capture_output=True, text=True, check=True
+    )
+    samples = {}
+    for row in json.loads(done.stdout):
+        name = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
+        samples[name] = row["samples_ts"]
+    return samples
+
+
+def bench_models(a):
+    source, build = llama_cpp_paths()
+    binary = build / "bin" / "llama-bench"
+    if not binary.exists():
+        print("== building llama-bench", flush=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench"], check=True)
+    models = BUILD / "llama_bench_models"
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / "make_llama_models.py"), str(source), str(models)], check=True
+    )
+    print(f"\nEnd to end, {a.threads} threads. GATED_DELTA_NET's share: kda_llama_op_share, medians of")
+    print(
+        f"{a.share_repeat}; llama-bench tokens/s: medians of {a.model_rounds} alternated rounds x 2 samples"
+    )
+    header = (
+        f"{'model':<12} {'weights':<7} {'test':<7} {'op share':>8} {'op x':>6} {'predicted':>9} "
+        f"{'stock t/s':>9} {'kda t/s':>9} {'measured':>8} {'of gain':>7}"
+    )
+    print(header)
+    for gguf in sorted(models.glob("*.gguf")):
+        name, weights = gguf.stem.rsplit("-", 1)
+        shares = {}
+        for kind, n in MODEL_TESTS:
+            stock = op_share(gguf, kind, n, a.threads, a.share_repeat, STOCK)
+            kda = op_share(gguf, kind, n, a.threads, a.share_repeat, KDA_BACKEND)
+            if a.json:
+                print(json.dumps(stock))
+                print(json.dumps(kda))
+            total = statistics.median(stock["plain_ms"])
+            op_stock = stock["ops"]["GATED_DELTA_NET"]["ms"]
+            op_kda = kda["ops"]["GATED_DELTA_NET"]["ms"]
+            shares[f"{kind}{n}"] = (op_stock / total, op_stock / op_kda)
+        samples = {"stock": {}, "kda": {}}
+        for _ in range(a.model_rounds):
+            for label, env in (("stock", STOCK), ("kda", KDA_BACKEND)):
+                for test, values in llama_bench(binary, gguf, a.threads, 2, env).items():
+                    samples[label].setdefault(test, []).extend(values)
+        for test, (share, speedup) in shares.items():
+            predicted = 1.0 / (1.0 - share + share / speedup)
+            stock_ts = statistics.median(samples["stock"][test])
+            kda_ts = statistics.median(samples["kda"][test])
+            measured = kda_ts / stock_ts
+            gain = (measured - 1.0) / (predicted - 1.0) if predicted > 1.0 else float("nan")
+            print(
+                f"{name:<12} {weights:<7} {test:<7} {share:>7.1%} {speedup:>5.2f}x {predicted:>8.3f}x "
+                f"{stock_ts:>9.2f} {kda_ts:>9.2f} {measured:>7.3f}x {gain:>6.0%}",
+                flush=True,
+            )
+        if a.json:
+            print(json.dumps({"model": gguf.name, "samples_ts": samples}))
+
+
+def bench_op(a):
     print(f"GATED_DELTA_NET alone, {a.threads} threads, medians of {a.rounds} alternated rounds (us)")
     print(
         f"{'model':<12} {'T':>5} {'N':>2} {'cache copy':>10} {'ggml CPU':>10} {'kda':>10} {'ggml / kda':>10}"
@@ -77,7 +162,28 @@ def main():
             ratio = r["ggml_us"] / r["kda_us"]
             copy = "yes" if cache_copy else "no"
             times = f"{r['ggml_us']:>10.1f} {r['kda_us']:>10.1f}"
-            print(f"{name:<12} {tokens:>5} {sequences:>2} {copy:>10} {times} {ratio:>9.2f}x")
+            print(f"{name:<12} {tokens:>5} {sequences:>2} {copy:>10} {times} {ratio:>9.2f}x", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--op", action="store_true", help="the op alone")
+    parser.add_argument("--models", action="store_true", help="llama-bench and the op's share, end to end")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7, help="alternated rounds of the op alone")
+    parser.add_argument("--model-rounds", type=int, default=3, help="alternated llama-bench rounds")
+    parser.add_argument("--share-repeat", type=int, default=3, help="repeats of each op-share run")
+    parser.add_argument("--json", action="store_true")
+    a = parser.parse_args()
+    for binary in ("kda_ggml_op_bench", "kda_llama_op_share"):
+        if not (BUILD / binary).exists():
+            raise SystemExit(f"build/{binary} is missing: run scripts/setup_llama_cpp.sh")
+    if a.op or not a.models:
+        bench_op(a)
+    if a.models or not a.op:
+        bench_models(a)
 
 
 if __name__ == "__main__":
