@@ -1,5 +1,5 @@
 // The CPU backend's table: each entry picks the SIMD target (KDA_CPU_TARGET), takes the call's
-// threads and working memory (core::Runner) and runs its kernel.
+// threads and working memory (Runner) and runs its kernel.
 #include "cpu/backend.hpp"
 
 #include "cpu/bf16_units.hpp"

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "core/backend.hpp"
-#include "core/parallel.hpp"
 #include "core/plan.hpp"
+#include "cpu/parallel.hpp"
 
 namespace kda::cpu {
 
@@ -30,9 +30,9 @@ void convert_row_in_pairs_for_testing(const float* x, int64_t n, uint16_t* bf16,
 int simd_vector_bits(bool hardware);
 
 // The call's runner (threads and workspaces of its execution context), on the selected SIMD target.
-inline core::Runner runner_for(const RunOptions& opt) {
+inline Runner runner_for(const RunOptions& opt) {
   select_target();
-  return core::Runner(opt.context, opt.num_threads);
+  return Runner(opt.context, opt.num_threads);
 }
 
 // The kernels, as the table holds them: each takes its runner (runner_for) and dispatches to its

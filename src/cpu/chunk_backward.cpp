@@ -19,8 +19,8 @@
 #include <memory>
 #include <vector>
 
-#include "core/parallel.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/parallel.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -111,8 +111,8 @@ struct BackwardWork {
 
 // States entering every chunk of (sequence, hv), by a forward pass that skips the outputs.
 void recompute_states(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                      int64_t n_seq, int64_t hv, float* states, BackwardWork& bw, core::PhaseClock& clock) {
-  const core::PhaseClock::Redirect as_recompute(clock, core::Phase::states_recompute);
+                      int64_t n_seq, int64_t hv, float* states, BackwardWork& bw, PhaseClock& clock) {
+  const PhaseClock::Redirect as_recompute(clock, Phase::states_recompute);
   ChunkWork& w = bw.w;
   float* S = states;
   load_state(plan, plan.initial[n_seq], hv, S, w.Vp);
@@ -123,7 +123,7 @@ void recompute_states(const core::Plan& plan, const ForwardInputs& in, const cor
     advance_state(w, C, S, next, w.U(), w.ldx);
     S = next;
   }
-  clock.lap(core::Phase::states_recompute);
+  clock.lap(Phase::states_recompute);
 }
 
 // The intra-chunk pair terms with a per-head gate (docs/math.md, "The scalar gate"): the decay
@@ -194,7 +194,7 @@ void scalar_gate_pair_terms(const ChunkWork& w, BackwardWork& bw, int64_t n, flo
 // sums and writes dv, dg, dbeta of this value head.
 void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                          const core::Sequence& seq, int64_t hv, int64_t member, int64_t t0, int64_t n,
-                         const float* S, float* dS, BackwardWork& bw, core::PhaseClock& clock) {
+                         const float* S, float* dS, BackwardWork& bw, PhaseClock& clock) {
   const ForwardInputs& fin = in.fwd;
   ChunkWork& w = bw.w;
   const int64_t K = plan.K, V = plan.V, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
@@ -209,14 +209,14 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   gemm(n, Vp, K, w.W(), ldx, 1, S, Vp, Vn, Vp, Accumulate::subtract);
   if (n < C) std::fill(bw.VnT.data(), bw.VnT.data() + Vp * C, 0.0f);  // columns past n stay zero
   transpose(Vn, Vp, n, V, bw.VnT.data(), C);
-  clock.lap(core::Phase::grad_state_products);
+  clock.lap(Phase::grad_state_products);
   float* dO = bw.dO.data();
   for (int64_t i = 0; i < n; ++i)
     load_row(in.d_o, seq.batch_index, seq.first_token + t0 + i, hv, V, dO + i * Vp);
-  clock.lap(core::Phase::gather);
+  clock.lap(Phase::gather);
   transpose(S, Vp, K, V, bw.ST.data(), Kp);
   transpose(dS, Vp, K, V, bw.dST.data(), Kp);
-  clock.lap(core::Phase::state_io);
+  clock.lap(Phase::state_io);
 
   // dP = tril(dO Vn^T) (gradient of P, which includes scale).
   float* dP = bw.dP.data();
@@ -225,7 +225,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     gemm(e - s, padded(e), V, dO + s * Vp, Vp, 1, bw.VnT.data(), C, dP + s * C, C, Accumulate::overwrite);
     for (int64_t i = s; i < e; ++i) std::fill(dP + i * C + i + 1, dP + i * C + C, 0.0f);
   }
-  clock.lap(core::Phase::grad_dP_dL);
+  clock.lap(Phase::grad_dP_dL);
 
   // dVn = P^T dO + Kd dS'.
   float* dVn = bw.dVn.data();
@@ -274,7 +274,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
     std::copy(dVn + i * Vp, dVn + i * Vp + Vp, Y + i * ldx + Kp);
   }
   gemm(n, Kp, V, dVn, Vp, 1, bw.ST.data(), Kp, Y, ldx, Accumulate::subtract);
-  clock.lap(core::Phase::grad_state_products);
+  clock.lap(Phase::grad_state_products);
   const float* Lm = w.L.data();
   const int64_t last_block = (n - 1) / kSub * kSub;
   for (int64_t s = last_block; s >= 0; s -= kSub) {
@@ -283,7 +283,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       gemm(e - s, ldx, n - e, Lm + e * C + s, 1, C, Y + e * ldx, ldx, Y + s * ldx, ldx, Accumulate::subtract);
     for (int64_t i = e - 2; i >= s; --i) subtract_combination(Y + i * ldx, Y, ldx, i + 1, e, Lm + i, C, ldx);
   }
-  clock.lap(core::Phase::grad_solve);
+  clock.lap(Phase::grad_solve);
 
   // dL = -stril(Y X^T) with X = [W | U].
   float* dL = bw.dL.data();
@@ -298,7 +298,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       std::fill(li + i, li + C, 0.0f);
     }
   }
-  clock.lap(core::Phase::grad_dP_dL);
+  clock.lap(Phase::grad_dP_dL);
 
   // Through W = T diag(beta) K e^G and U = T diag(beta) V.
   float* dbeta = bw.dbeta.data();
@@ -320,7 +320,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       hn::StoreU(hn::MulAdd(byw, hn::LoadU(d, kg + c), hn::LoadU(d, dGi + c)), d, dGi + c);
     }
   }
-  clock.lap(core::Phase::grad_gate);
+  clock.lap(Phase::grad_gate);
 
   // Intra-chunk terms. dPt = scale dP is the gradient of sum_d q k E; dL that of L.
   // dQi_i = sum_{j<=i} dPt_ij k_j E_ij;  r_i = sum_{j<i} dL_ij k_j E_ij;
@@ -453,7 +453,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
       hn::StoreU(hn::Add(hn::LoadU(d, dki + c), hn::Add(krow, kcol)), d, dki + c);
     }
   }
-  clock.lap(core::Phase::grad_pairs);
+  clock.lap(Phase::grad_pairs);
 
   // dg_t = sum_{i >= t} dG_i + sum_{i < t} kdk_i + dlast + dgp_t, then through the fused gate;
   // dbeta through the sigmoid.
@@ -504,7 +504,7 @@ void chunk_step_backward(const core::Plan& plan, const BackwardInputs& in, const
   add_rows(dq, bw.dq_group.data(), n * Kp);
   add_rows(dk, bw.dk_group.data(), n * Kp);
   std::copy(dS_in, dS_in + K * Vp, dS);
-  clock.lap(core::Phase::grad_gate);
+  clock.lap(Phase::grad_gate);
 }
 
 // Whether the caller's chunk states can serve as the working state tiles directly (K-first, V a
@@ -519,7 +519,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
   const int64_t group = plan.group, K = plan.K, Kp = bw.Kp, Vp = bw.Vp;
   const int64_t chunks = (seq.length + C - 1) / C;
   const bool states_in_place = states_used_in_place(plan, in);
-  core::PhaseClock clock(core::Kernel::chunk_backward);
+  PhaseClock clock(Kernel::chunk_backward);
   auto state = [&](int64_t m, int64_t c) -> const float* {
     if (states_in_place) return in.chunk_states + plan.state_offset(seq.first_chunk + c, h * group + m);
     return bw.state(m, c, chunks);
@@ -533,7 +533,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
         load_state(plan, plan.packed(in.chunk_states, seq.first_chunk + c), hv, bw.state(m, c, chunks), Vp);
     }
     load_state(plan, plan.packed(in.d_final_state, n_seq), hv, bw.dS.data() + m * K * Vp, Vp);
-    clock.lap(core::Phase::state_io);
+    clock.lap(Phase::state_io);
   }
   std::fill(bw.dA_log.begin(), bw.dA_log.end(), 0.0);
   std::fill(bw.ddt_bias.begin(), bw.ddt_bias.end(), 0.0);
@@ -557,13 +557,13 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       store_row(out.dq, seq.batch_index, t, h, K, dqi);
       store_row(out.dk, seq.batch_index, t, h, K, dki);
     }
-    clock.lap(core::Phase::grad_group);
+    clock.lap(Phase::grad_group);
   }
   if (out.d_initial_state != nullptr)
     for (int64_t m = 0; m < group; ++m)
       store_state(plan, bw.dS.data() + m * K * Vp, Vp, plan.packed(out.d_initial_state, n_seq),
                   h * group + m);
-  clock.lap(core::Phase::state_io);
+  clock.lap(Phase::state_io);
 }
 
 // The backward of one or more problems of the same shape (the caller's, or its column problems),
@@ -571,7 +571,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
 // over all of them into `out`.
 void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& plans,
                const std::vector<const BackwardInputs*>& ins, const std::vector<const BackwardOutputs*>& outs,
-               const BackwardOutputs& out, core::Runner& run) {
+               const BackwardOutputs& out, Runner& run) {
   const int64_t per_problem = plan.num_sequences() * plan.H;
   const int64_t items = per_problem * static_cast<int64_t>(plans.size());
   const int64_t V = plans.front()->V;
@@ -644,7 +644,7 @@ constexpr int64_t kMinShareTokens = 4 * C;
 constexpr int64_t kMinShareColumns = 64;
 
 void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                   core::Runner& run) {
+                   Runner& run) {
   backward_in_column_shares(plan, in, out, run, kMinShareTokens, kMinShareColumns,
                             [&](const auto& plans, const auto& ins, const auto& outs) {
                               run_items(plan, plans, ins, outs, out, run);
@@ -660,7 +660,7 @@ HWY_EXPORT(ChunkBackward);
 
 void chunk_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                     const RunOptions& opt) {
-  core::Runner run = runner_for(opt);
+  Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(ChunkBackward)(plan, in, out, run);
 }
 }  // namespace kda::cpu

@@ -25,8 +25,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "core/phase_clock.hpp"
 #include "cpu/chunk_intra-inl.h"
+#include "cpu/phase_clock.hpp"
 #include "cpu/simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -123,8 +123,7 @@ HWY_INLINE void decay_rows(ChunkWork& w, const float* F, const float* start, int
 }
 
 // KDA's decay factors (Qe, Kg, Kd, decay_last) and L and P for rows [0, n), with bf16 products.
-inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale,
-                               core::PhaseClock& clock) {
+inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, PhaseClock& clock) {
   const int64_t Kp = w.Kp, K = w.K;
   const int64_t blocks = (n + kSub - 1) / kSub;
   bool split[kBlocks];
@@ -154,7 +153,7 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
     for (int64_t i = blk * kSub; i < std::min((blk + 1) * kSub, n); ++i)
       mul3_rows(w.k.data() + i * Kp, b.H.data() + i * Kp, Z, w.Kd.data() + i * Kp, Kp);
   }
-  clock.lap(core::Phase::decay_factors);
+  clock.lap(Phase::decay_factors);
 
   float* Lm = w.L.data();
   float* Pm = w.P.data();
@@ -208,7 +207,7 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
       diagonal_block_per_element(w, s, e, scale);
     }
   }
-  clock.lap(core::Phase::intra_matrices);
+  clock.lap(Phase::intra_matrices);
 }
 
 // T = (I + L)^-1 for rows [0, n) (zero elsewhere): forward substitution on the identity, 16 rows at a
@@ -232,14 +231,14 @@ inline void invert_unit_lower(const ChunkWork& w, int64_t n, float* T) {
 //   S' = diag(e^{G_last}) S + Kd^T Vn
 // Right operands shared by two products (S; Vn) are converted once.
 inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, bool scalar_gate, float* S,
-                       float* O, core::PhaseClock& clock) {
+                       float* O, PhaseClock& clock) {
   const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
   const cpu::ProductSession session(cpu::product_unit());  // AMX: one tile configuration per chunk
   if (scalar_gate) {
     build_decay_factors_scalar(w, n, scale);
-    clock.lap(core::Phase::decay_factors);
+    clock.lap(Phase::decay_factors);
     build_intra_scalar(w, n, scale, true);
-    clock.lap(core::Phase::intra_matrices);
+    clock.lap(Phase::intra_matrices);
   } else {
     bf16_intra_per_key(w, b, n, scale, clock);
   }
@@ -253,7 +252,7 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
     std::fill(xi + Kp + w.V, xi + ldx, 0.0f);
   }
   invert_unit_lower(w, n, b.T.data());
-  clock.lap(core::Phase::wy_solve);
+  clock.lap(Phase::wy_solve);
 
   ChunkProducts& p = w.products;
   float* U = w.U();
@@ -271,12 +270,12 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   p.keep_b(0, n, Vp, Y_low, Vp, 1);
   p.times_kept(1, n, b.T.data(), C, 1, {U, ldx});
   p.times_kept_again(0, {.C = U, .ldc = ldx, .mode = Accumulate::add, .c_is_old = true});  // T converted once
-  clock.lap(core::Phase::state_products);
+  clock.lap(Phase::state_products);
   p.keep_b(1, n, Vp, U, ldx, 1);
   p.times_kept(1, n, w.P.data(), C, 1, {.C = O, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true});
-  clock.lap(core::Phase::intra_output);
+  clock.lap(Phase::intra_output);
   p.times_kept(1, K, w.Kd.data(), 1, Kp, {.C = S, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true});
-  clock.lap(core::Phase::state_products);
+  clock.lap(Phase::state_products);
 }
 
 }  // namespace kda::cpu::HWY_NAMESPACE

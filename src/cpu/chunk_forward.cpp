@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "core/parallel.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/parallel.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -60,20 +60,20 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
   const core::Sequence& seq = plan.sequences[n_seq];
   ChunkWork& w = fw.chunk;
   const int64_t V = plan.V, Vp = w.Vp, ldx = w.ldx;
-  core::PhaseClock clock(core::Kernel::chunk_forward);
+  PhaseClock clock(Kernel::chunk_forward);
   for (int64_t j = 0; j < heads; ++j) load_state(plan, plan.initial[n_seq], hv0 + j, fw.state(j), Vp);
-  clock.lap(core::Phase::state_io);
+  clock.lap(Phase::state_io);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += C, ++c) {
     const int64_t n = std::min(C, seq.length - t0);
     load_rows_of_heads(plan, in, seq, hv0, heads, t0, 0, n,
                        [&](int64_t j, int64_t i) { return fw.rows[j].from(i); });
-    clock.lap(core::Phase::gather);
+    clock.lap(Phase::gather);
     for (int64_t j = 0; j < heads; ++j) {
       float* S = fw.state(j);
       float* O = fw.output(j);
       if (out.chunk_states != nullptr) {
         store_state(plan, S, Vp, plan.packed(out.chunk_states, seq.first_chunk + c), hv0 + j);
-        clock.lap(core::Phase::state_io);
+        clock.lap(Phase::state_io);
       }
       fw.rows[j].swap_with(w);
       if (fw.bf16 != nullptr) {
@@ -84,27 +84,27 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
       make_vn_in_place(w, n, S);
       const float* Vn = w.U();
       gemm(n, Vp, plan.K, w.Qe.data(), w.Kp, 1, S, Vp, O, Vp, Accumulate::overwrite);
-      clock.lap(core::Phase::state_products);
+      clock.lap(Phase::state_products);
       for (int64_t s = 0; s < n; s += kSub) {
         const int64_t e = std::min(s + kSub, n);
         gemm(e - s, Vp, e, w.P.data() + s * C, C, 1, Vn, ldx, O + s * Vp, Vp, Accumulate::add);
       }
-      clock.lap(core::Phase::intra_output);
+      clock.lap(Phase::intra_output);
       advance_state(w, n, S, S, Vn, ldx);
-      clock.lap(core::Phase::state_products);
+      clock.lap(Phase::state_products);
     }
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < heads; ++j)
         store_row(out.o, seq.batch_index, seq.first_token + t0 + i, hv0 + j, V, fw.output(j) + i * Vp);
-    clock.lap(core::Phase::store);
+    clock.lap(Phase::store);
   }
   if (plan.final[n_seq])
     for (int64_t j = 0; j < heads; ++j) store_state(plan, fw.state(j), Vp, plan.final[n_seq], hv0 + j);
-  clock.lap(core::Phase::state_io);
+  clock.lap(Phase::state_io);
 }
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                  Precision precision, core::Runner& run) {
+                  Precision precision, Runner& run) {
   const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t items = plan.num_sequences() * groups;
@@ -142,7 +142,7 @@ HWY_EXPORT(VectorBits);
 
 void chunk_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                    const RunOptions& opt) {
-  core::Runner run = runner_for(opt);
+  Runner run = runner_for(opt);
   if (opt.precision == Precision::bf16) product_unit();  // an unknown KDA_BF16_UNIT fails before any work
   HWY_DYNAMIC_DISPATCH(ChunkForward)(plan, in, out, opt.precision, run);
 }

@@ -20,8 +20,8 @@
 #include <cmath>
 #include <utility>
 
-#include "core/phase_clock.hpp"
 #include "cpu/bf16_units.hpp"
+#include "cpu/phase_clock.hpp"
 #include "cpu/simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -471,28 +471,28 @@ enum class ChunkNeeds { all, state_only };
 // The chunk's decay factors, L and P, and the WY solve, from rows [0, n) already in w. Each step's
 // time goes to the caller's phase clock.
 // scalar_gate: the problem's gate is per head (see build_intra_scalar).
-inline void prepare_gathered_chunk(ChunkWork& w, int64_t n, float scale, bool scalar_gate,
-                                   core::PhaseClock& clock, ChunkNeeds needs = ChunkNeeds::all) {
+inline void prepare_gathered_chunk(ChunkWork& w, int64_t n, float scale, bool scalar_gate, PhaseClock& clock,
+                                   ChunkNeeds needs = ChunkNeeds::all) {
   if (scalar_gate)
     build_decay_factors_scalar(w, n, scale);
   else
     build_decay_factors(w, n, scale);
-  clock.lap(core::Phase::decay_factors);
+  clock.lap(Phase::decay_factors);
   if (scalar_gate)
     build_intra_scalar(w, n, scale, needs == ChunkNeeds::all);
   else
     build_intra(w, n, scale, needs == ChunkNeeds::all);
-  clock.lap(core::Phase::intra_matrices);
+  clock.lap(Phase::intra_matrices);
   solve_wy(w, n);
-  clock.lap(core::Phase::wy_solve);
+  clock.lap(Phase::wy_solve);
 }
 
 // Gathers rows [t_begin, t_begin + n) of (sequence, hv), then prepare_gathered_chunk.
 inline void prepare_chunk(const core::Plan& plan, const ForwardInputs& in, const core::Sequence& seq,
-                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w, core::PhaseClock& clock,
+                          int64_t hv, int64_t t_begin, int64_t n, ChunkWork& w, PhaseClock& clock,
                           ChunkNeeds needs = ChunkNeeds::all) {
   load_chunk_rows(plan, in, seq, hv, t_begin, n, w.rows());
-  clock.lap(core::Phase::gather);
+  clock.lap(Phase::gather);
   prepare_gathered_chunk(w, n, plan.scale, plan.per_head_gate(), clock, needs);
 }
 

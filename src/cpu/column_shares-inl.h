@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/parallel.hpp"
+#include "cpu/parallel.hpp"
 #include "cpu/simd-inl.h"
 #include "cpu/workspace.hpp"
 
@@ -173,7 +173,7 @@ inline void scatter_initial_state_gradient(const core::Plan& plan, const ColumnP
 // summed into `out` and each share's columns of d_initial_state scattered there.
 template <typename RunProblems>
 void backward_in_column_shares(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                               core::Runner& run, int64_t min_tokens, int64_t min_columns,
+                               Runner& run, int64_t min_tokens, int64_t min_columns,
                                RunProblems&& run_problems) {
   const int64_t shares = column_shares(plan, run.threads(), min_tokens, min_columns);
   if (shares == 1) {

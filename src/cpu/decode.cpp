@@ -28,8 +28,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "core/parallel.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/parallel.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -942,7 +942,7 @@ void ConvertRowInPairs(const float* x, int64_t n, uint16_t* bf16, float* widened
   from_pair_order(widened, whole);
 }
 
-void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, core::Runner& run) {
+void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, Runner& run) {
   const int64_t items = plan.num_sequences() * plan.HV;
   auto work = run.workspaces<DecodeWork>(items, plan.K, plan.V);
   bool token_items = false;
@@ -987,7 +987,7 @@ void convert_row_in_pairs_for_testing(const float* x, int64_t n, uint16_t* bf16,
 }
 
 void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, const RunOptions& opt) {
-  core::Runner run = runner_for(opt);
+  Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(Decode)(plan, in, out, run);
 }
 }  // namespace kda::cpu

@@ -47,7 +47,7 @@
 #include <memory>
 #include <vector>
 
-#include "core/phase_clock.hpp"
+#include "cpu/phase_clock.hpp"
 #include "cpu/simd-inl.h"
 #include "hwy/cache_control.h"
 
@@ -574,7 +574,7 @@ inline void gather_block_rows(const core::Plan& plan, const ForwardInputs& in, c
 template <bool kOutput, typename Gather>
 void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const BlockRows& cur, ForwardWork& w,
                        const RowPrefetch& next_in, const RowPrefetch& this_out, const Gather& gather,
-                       core::PhaseClock& clock) {
+                       PhaseClock& clock) {
   const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, L = lanes(), W = block_width();
   const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;
   const int64_t groups = (n + kGroup - 1) / kGroup;
@@ -615,7 +615,7 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
                                                   Sb, wb, plan.scale, pf);
         }
       }
-      clock.lap(core::Phase::recurrent_sweep);
+      clock.lap(Phase::recurrent_sweep);
       gather(share.first[0], share.count[0]);
     }
   }
@@ -632,7 +632,7 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
 // time stay few. The heads of a group are gathered and stored token by token (see gather_block_rows).
 template <bool kOutput>
 void forward_heads(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs* out, int64_t n_seq,
-                   int64_t hv0, int64_t heads, ForwardWork& w, float* ckpt, core::PhaseClock& clock) {
+                   int64_t hv0, int64_t heads, ForwardWork& w, float* ckpt, PhaseClock& clock) {
   // The checkpoints are one head's, every column.
   HWY_DASSERT(kOutput || (heads == 1 && w.col_begin == 0 && w.col_end == w.Vp));
   const core::Sequence& seq = plan.sequences[n_seq];
@@ -640,9 +640,9 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
   const int64_t L = lanes(), W = block_width();
   const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;  // column blocks per head of this item
   for (int64_t j = 0; j < heads; ++j) load_blocked(plan, plan.initial[n_seq], hv0 + j, w.state(j));
-  clock.lap(core::Phase::state_io);
+  clock.lap(Phase::state_io);
   gather_block_rows(plan, in, seq, hv0, heads, 0, 0, std::min(kC, seq.length), w.rows[0]);
-  clock.lap(core::Phase::gather);
+  clock.lap(Phase::gather);
   for (int64_t t0 = 0, c = 0; t0 < seq.length; t0 += kC, ++c) {
     const int64_t n = std::min(kC, seq.length - t0);
     const BlockRows& cur = w.rows[c % 2];
@@ -656,7 +656,7 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
         blocked_to_panels(w.state(j), V, ckpt + c * V * Kp);
       }
     }
-    clock.lap(core::Phase::state_io);
+    clock.lap(Phase::state_io);
     // Prefetched during the sweep: the next block's input rows and this block's output rows.
     const RowPrefetch next_in = rows_prefetch(plan, in, seq, hv0, heads, t0 + kC, next_n);
     RowPrefetch this_out;
@@ -670,7 +670,7 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
           [&](int64_t share_first, int64_t share_count) {
             if (next_n > 0) {
               gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share_first, share_count, next);
-              clock.lap(core::Phase::gather);
+              clock.lap(Phase::gather);
             }
           },
           clock);
@@ -683,10 +683,10 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
           const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
           forward_columns_dispatch<kOutput>(nv, K, n, Kp, Vp, rows.q, rows.k, rows.g, rows.beta, rows.v + c0,
                                             w.output(j) + c0, S.block(c0), plan.scale, share);
-          clock.lap(core::Phase::recurrent_sweep);
+          clock.lap(Phase::recurrent_sweep);
           if (next_n > 0) {
             gather_block_rows(plan, in, seq, hv0, heads, t0 + kC, share.first[0], share.count[0], next);
-            clock.lap(core::Phase::gather);
+            clock.lap(Phase::gather);
           }
         }
       }
@@ -699,13 +699,13 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
         for (int64_t j = 0; j < heads; ++j)
           store_row(o, seq.batch_index, seq.first_token + t0 + i, hv0 + j, cols,
                     w.output(j) + i * Vp + w.col_begin);
-      clock.lap(core::Phase::store);
+      clock.lap(Phase::store);
     }
   }
   if constexpr (kOutput) {
     if (plan.final[n_seq])
       for (int64_t j = 0; j < heads; ++j) store_blocked(plan, w.state(j), plan.final[n_seq], hv0 + j);
-    clock.lap(core::Phase::state_io);
+    clock.lap(Phase::state_io);
   }
 }
 

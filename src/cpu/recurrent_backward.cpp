@@ -2,8 +2,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "core/parallel.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/parallel.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -374,21 +374,21 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     std::memset(w.dK.data(), 0, sizeof(float) * static_cast<size_t>(len * Kp));
   }
   w.clear_rows();
-  core::PhaseClock clock(core::Kernel::recurrent_backward);
+  PhaseClock clock(Kernel::recurrent_backward);
   const bool own_ckpt = in.chunk_states == nullptr;
   const size_t ckpt_size = static_cast<size_t>((own_ckpt ? nseg : 1) * V * Kp);
   if (w.ckpt.size() < ckpt_size) w.ckpt.reset(ckpt_size);
 
   for (int64_t hv = h * plan.group; hv < (h + 1) * plan.group; ++hv) {
     if (own_ckpt) {
-      const core::PhaseClock::Redirect as_recompute(clock, core::Phase::states_recompute);
+      const PhaseClock::Redirect as_recompute(clock, Phase::states_recompute);
       forward_heads<false>(plan, f, nullptr, n_seq, hv, 1, w.fwd, w.ckpt.data(), clock);
     }
 
     // Gradient of the final state, in panels.
     float* dS = w.dS.data();
     load_panels(plan, in.d_final_state, n_seq, hv, dS);
-    clock.lap(core::Phase::state_io);
+    clock.lap(Phase::state_io);
 
     const float a = plan.fused_gate() ? gate_scale(f.A_log[hv]) : 0.0f;
     const double a_d = plan.fused_gate() ? std::exp(static_cast<double>(f.A_log[hv])) : 0.0;
@@ -407,7 +407,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
         load_panels(plan, in.chunk_states, seq.first_chunk + c, hv, w.ckpt.data());
         base = w.ckpt.data();
       }
-      clock.lap(core::Phase::state_io);
+      clock.lap(Phase::state_io);
       load_chunk_rows(plan, f, seq, hv, t0, n, rows);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = seq.first_token + t0 + i;
@@ -430,13 +430,13 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
       std::memset(w.dk0.data(), 0, sizeof(float) * static_cast<size_t>(n * Kp));
       std::memset(w.dg0.data(), 0, sizeof(float) * static_cast<size_t>(n * Kp));
       std::memset(w.dbeta.data(), 0, sizeof(float) * static_cast<size_t>(n));
-      clock.lap(core::Phase::gather);
+      clock.lap(Phase::gather);
 
       for (int64_t j0 = 0; j0 < V; j0 += kBwdColumns) {
         const int jg = static_cast<int>(std::min<int64_t>(kBwdColumns, V - j0));
         backward_group_dispatch<kBwdColumns>(jg, n, j0, base + j0 * Kp, w);
       }
-      clock.lap(core::Phase::recurrent_backward_sweep);
+      clock.lap(Phase::recurrent_backward_sweep);
 
       // Per-token outputs of the value head; dq, dk summed over the group.
       for (int64_t i = 0; i < n; ++i) {
@@ -474,11 +474,11 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
           hn::StoreU(hn::Add(hn::LoadU(d, dK + x), hn::LoadU(d, w.dk.data() + i * Kp + x)), d, dK + x);
         }
       }
-      clock.lap(core::Phase::grad_gate);
+      clock.lap(Phase::grad_gate);
     }
     if (plan.fused_gate()) gg.dA[n_seq * HV + hv] = dA;
     if (out.d_initial_state != nullptr) store_panels(plan, dS, out.d_initial_state, n_seq, hv);
-    clock.lap(core::Phase::state_io);
+    clock.lap(Phase::state_io);
   }
 
   // dq, dk through the optional L2 norm, w.r.t. the raw rows.
@@ -500,7 +500,7 @@ void backward_item(const core::Plan& plan, const BackwardInputs& in, const Backw
     store_row(out.dq, b, t, h, K, dQ);
     store_row(out.dk, b, t, h, K, dK);
   }
-  clock.lap(core::Phase::grad_group);
+  clock.lap(Phase::grad_group);
 }
 
 }  // namespace
@@ -512,7 +512,7 @@ namespace {
 
 void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& plans,
                const std::vector<const BackwardInputs*>& ins, const std::vector<const BackwardOutputs*>& outs,
-               const BackwardOutputs& out, core::Runner& run) {
+               const BackwardOutputs& out, Runner& run) {
   const int64_t N = plan.num_sequences(), HV = plan.HV, K = plan.K;
   const int64_t problems = static_cast<int64_t>(plans.size()), per_problem = N * plan.H;
   std::vector<double> dA, ddt;
@@ -565,7 +565,7 @@ constexpr int64_t kMinShareTokens = 8192;
 constexpr int64_t kMinShareColumns = 64;
 
 void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
-                       core::Runner& run) {
+                       Runner& run) {
   backward_in_column_shares(plan, in, out, run, kMinShareTokens, kMinShareColumns,
                             [&](const auto& plans, const auto& ins, const auto& outs) {
                               run_items(plan, plans, ins, outs, out, run);
@@ -581,7 +581,7 @@ HWY_EXPORT(RecurrentBackward);
 
 void recurrent_backward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                         const RunOptions& opt) {
-  core::Runner run = runner_for(opt);
+  Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(RecurrentBackward)(plan, in, out, run);
 }
 }  // namespace kda::cpu

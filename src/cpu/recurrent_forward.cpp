@@ -2,8 +2,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "core/parallel.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/parallel.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -24,7 +24,7 @@ namespace kda::cpu::HWY_NAMESPACE {
 // items: every column runs the same arithmetic whichever item owns it, so the results are bitwise
 // those of the unshared run, and the only extra work is each item gathering the rows it reads.
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
-                      core::Runner& run) {
+                      Runner& run) {
   const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t pairs = plan.num_sequences() * groups;
@@ -33,7 +33,7 @@ void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const For
   const int64_t items = pairs * shares;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);
   run.parallel_for(items, [&](int64_t item, int worker) {
-    core::PhaseClock clock(core::Kernel::recurrent_forward);
+    PhaseClock clock(Kernel::recurrent_forward);
     const int64_t pair = item / shares, share = item % shares;
     const int64_t hv0 = pair % groups * heads;
     ForwardWork& w = *work[static_cast<size_t>(worker)];
@@ -54,7 +54,7 @@ HWY_EXPORT(RecurrentForward);
 
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                        const RunOptions& opt) {
-  core::Runner run = runner_for(opt);
+  Runner run = runner_for(opt);
   HWY_DYNAMIC_DISPATCH(RecurrentForward)(plan, in, out, run);
 }
 }  // namespace kda::cpu

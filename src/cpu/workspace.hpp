@@ -10,8 +10,8 @@
 #include <memory>
 #include <new>
 
-#include "core/parallel.hpp"
 #include "core/plan.hpp"
+#include "cpu/parallel.hpp"
 #include "kda/kda.hpp"
 
 namespace kda::cpu {
@@ -22,7 +22,7 @@ inline constexpr int64_t kPad = 16;
 inline constexpr int64_t padded(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
 
 // A zero-initialised, 64-byte aligned array. Its memory comes from the current thread's block cache
-// when there is one (the workspaces of a call, see core::Runner), else from the heap.
+// when there is one (the workspaces of a call, see Runner), else from the heap.
 template <typename T>
 class Buffer {
  public:
@@ -46,7 +46,7 @@ class Buffer {
   void reset(size_t count) {
     release();
     const size_t bytes = std::max<size_t>((count * sizeof(T) + 63) / 64 * 64, 64);
-    cache_ = core::current_block_cache();
+    cache_ = current_block_cache();
     if (cache_ != nullptr) {
       data_ = cache_->acquire(bytes, &capacity_);
     } else {
@@ -72,7 +72,7 @@ class Buffer {
   }
   void* data_ = nullptr;
   size_t size_ = 0, capacity_ = 0;
-  core::BlockCache* cache_ = nullptr;
+  BlockCache* cache_ = nullptr;
 };
 
 // Value heads per work item of a forward. The rows of adjacent heads of one token are adjacent in

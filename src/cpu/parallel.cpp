@@ -1,4 +1,4 @@
-#include "core/parallel.hpp"
+#include "cpu/parallel.hpp"
 
 #include <unistd.h>
 
@@ -26,7 +26,7 @@
 #define KDA_HAVE_MXCSR 1
 #endif
 
-namespace kda::core {
+namespace kda::cpu {
 
 int resolve_num_threads(int requested) {
   if (requested < 0 || requested > kMaxThreads)
@@ -262,20 +262,20 @@ struct ContextState {
   std::vector<std::unique_ptr<BlockCache>> caches;  // by worker index
 };
 
-}  // namespace kda::core
+}  // namespace kda::cpu
 
 namespace kda {
 
 struct Context::Impl {
   std::mutex swap;
   pid_t pid = 0;
-  std::unique_ptr<core::ContextState> state;
+  std::unique_ptr<cpu::ContextState> state;
 
-  core::ContextState* current() {
+  cpu::ContextState* current() {
     std::lock_guard<std::mutex> lock(swap);
     if (state == nullptr || pid != getpid()) {
       (void)state.release();  // after a fork: the parent's threads and locks are not ours to touch
-      state = std::make_unique<core::ContextState>();
+      state = std::make_unique<cpu::ContextState>();
       pid = getpid();
     }
     return state.get();
@@ -293,7 +293,7 @@ Context& Context::global() {
 
 }  // namespace kda
 
-namespace kda::core {
+namespace kda::cpu {
 
 Runner::Runner(Context* context, int requested_threads)
     : state_((context != nullptr ? *context : Context::global()).impl()->current()),
@@ -340,4 +340,4 @@ void Runner::parallel_for(int64_t count, const std::function<void(int64_t, int)>
   if (error) std::rethrow_exception(error);
 }
 
-}  // namespace kda::core
+}  // namespace kda::cpu

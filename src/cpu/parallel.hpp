@@ -19,7 +19,7 @@
 
 #include "kda/kda.hpp"
 
-namespace kda::core {
+namespace kda::cpu {
 
 inline constexpr int kMaxThreads = 1024;
 
@@ -119,4 +119,4 @@ class Runner {
   int threads_;
 };
 
-}  // namespace kda::core
+}  // namespace kda::cpu

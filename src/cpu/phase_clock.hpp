@@ -6,7 +6,7 @@
 #include <chrono>
 #include <cstdint>
 
-namespace kda::core {
+namespace kda::cpu {
 
 enum class Kernel : int { chunk_forward, recurrent_forward, chunk_backward, recurrent_backward, count };
 
@@ -80,4 +80,4 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_;
 };
 
-}  // namespace kda::core
+}  // namespace kda::cpu

@@ -1,12 +1,12 @@
-// kda::profile: the counters behind core::PhaseClock.
+// kda::profile: the counters behind cpu::PhaseClock.
 #include "kda/profile.hpp"
 
 #include <array>
 #include <atomic>
 
-#include "core/phase_clock.hpp"
+#include "cpu/phase_clock.hpp"
 
-namespace kda::core {
+namespace kda::cpu {
 
 std::atomic<bool> g_profile_enabled{false};
 
@@ -48,15 +48,15 @@ void add_phase_time(Kernel kernel, Phase phase, int64_t nanoseconds) {
   c.count.fetch_add(1, std::memory_order_relaxed);
 }
 
-}  // namespace kda::core
+}  // namespace kda::cpu
 
 namespace kda::profile {
 
-void set_enabled(bool on) { core::g_profile_enabled.store(on, std::memory_order_relaxed); }
-bool enabled() { return core::g_profile_enabled.load(std::memory_order_relaxed); }
+void set_enabled(bool on) { cpu::g_profile_enabled.store(on, std::memory_order_relaxed); }
+bool enabled() { return cpu::g_profile_enabled.load(std::memory_order_relaxed); }
 
 void reset() {
-  for (auto& kernel : core::g_counters)
+  for (auto& kernel : cpu::g_counters)
     for (auto& c : kernel) {
       c.ns.store(0, std::memory_order_relaxed);
       c.count.store(0, std::memory_order_relaxed);
@@ -65,12 +65,12 @@ void reset() {
 
 std::vector<PhaseTime> read() {
   std::vector<PhaseTime> out;
-  for (int k = 0; k < core::kKernels; ++k)
-    for (int p = 0; p < core::kPhases; ++p) {
-      const auto& c = core::g_counters[static_cast<size_t>(k)][static_cast<size_t>(p)];
+  for (int k = 0; k < cpu::kKernels; ++k)
+    for (int p = 0; p < cpu::kPhases; ++p) {
+      const auto& c = cpu::g_counters[static_cast<size_t>(k)][static_cast<size_t>(p)];
       const int64_t count = c.count.load(std::memory_order_relaxed);
       if (count == 0) continue;
-      out.push_back({core::kKernelNames[static_cast<size_t>(k)], core::kPhaseNames[static_cast<size_t>(p)],
+      out.push_back({cpu::kKernelNames[static_cast<size_t>(k)], cpu::kPhaseNames[static_cast<size_t>(p)],
                      static_cast<double>(c.ns.load(std::memory_order_relaxed)) * 1e-9, count});
     }
   return out;
