@@ -11,10 +11,9 @@ namespace {
 // mode, layout and dtype.
 const char* unsupported(const core::Plan&) { return nullptr; }
 
-// Measured with `kda bench` on two AVX2 cores (K = V from 16 to 256, T from 64 to 8192, H from 8 to
-// 32), the recurrent kernel was 1.4x to 5x faster than the chunked one everywhere, and 1.2-1.7x on
-// AVX-512 (docs/performance.md), so a prefill takes it for every shape; a faster chunked kernel can
-// take back the shapes it wins here.
+// The recurrent kernel was the faster prefill at every shape measured, on AVX2 and AVX-512
+// (docs/performance.md, "Figures from the source's comments"), so a prefill takes it for every
+// shape; a faster chunked kernel can take back the shapes it wins here.
 bool prefill_prefers_recurrent(const core::Plan&, const RunOptions&) { return true; }
 
 // Sequences of at most this many tokens (decode steps, short speculative runs) go to the decode

@@ -628,18 +628,14 @@ void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& pla
 
 // Column shares (cpu/column_shares-inl.h) of the chunked backward. What a share repeats is the
 // V-independent part of a chunk (its intra-chunk matrices, the solve's W half and the pair terms):
-// ~25% of the backward's FLOPs at K = V = 128, but a larger share of its time, since the pair terms
-// run below the GEMMs' rate: on one thread at T = 16384 the backward at V = 64 took 78% (KDA) and
-// 71% (GDN) of the one at V = 128, so f = 0.56 and 0.42 of it is V-independent, and P shares run an
-// item in f + (1 - f) / P of its time: two shares 1.28x and 1.41x at best (measured
-// forward+backward on two threads: 1.24x and 1.3x), four 1.5x and 1.8x. docs/performance.md has
-// the count and the figures.
+// a quarter of the backward's FLOPs at K = V = 128, but a larger share of its time, since the pair
+// terms run below the GEMMs' rate. If a fraction f of an item's time is V-independent, P shares run
+// it in f + (1 - f) / P of its time.
 //
 // A share pays for its setup (slicing the states, summing the partial gradients) once its item has
-// a few chunks, and for its repeated V-independent work once it has 64 columns: forward+backward of
-// one head, T = 16384, one against two threads (two shares): K = 128, V = 128 1.24x, K = 64,
-// V = 128 1.33x, K = 32, V = 128 1.21x, but K = 64, V = 64 (shares of 32 columns) 0.95x, and
-// K = V = 32 (16 columns) 0.7x.
+// a few chunks, and for its repeated V-independent work once it has 64 columns; narrower shares
+// were slower than one thread (docs/performance.md, "Figures from the source's comments", and
+// 2026-12-03 evening).
 constexpr int64_t kMinShareTokens = 4 * C;
 constexpr int64_t kMinShareColumns = 64;
 

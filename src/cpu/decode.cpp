@@ -9,8 +9,8 @@
 //    sweeps over the rows (of a block of columns, which is self-contained); the state, 64 KiB at
 //    K = V = 128, is in L2 for the second.
 // Decode moves the whole state for ~1 FLOP per byte: it is bound by memory bandwidth, so states are
-// prefetched ahead of their use (the hardware prefetchers stop at every 4 KiB page; prefetching
-// took the 32 x 32 x 128^2 fp32 step from ~8-9 ms to ~6 ms on two AVX2 cores): the next item's
+// prefetched ahead of their use (the hardware prefetchers stop at every 4 KiB page; the figures are in
+// docs/performance.md, "Figures from the source's comments"): the next item's
 // state during the current step, and the rows the kernel reads next where they are not in L2
 // already. Each worker takes a contiguous share of the (request, head) items so that it knows what
 // it reads next.
@@ -106,8 +106,7 @@ struct NextState {
 // item's kernel, so that it arrives over the whole of the current item's run: the memory streams
 // all the while, as in a read-modify-write pass, and the next item starts with its state in L2.
 // Small shares spread through the kernel's loops keep the core's load and miss slots from filling
-// in bursts (one 2 KiB share per V-first row group gained half of what a share per vector column
-// of each pass did at 128 x 32 heads).
+// in bursts (shares per V-first row group gained less than shares per vector column of each pass).
 class NextStateToL2 {
  public:
   // Addresses count from the state's first cache line (as integers: that line may start before
@@ -120,7 +119,7 @@ class NextStateToL2 {
                                 64)) {}
   // The slot kernels call this about once per cache line of their own state, so it is kept to a
   // compare, a request and an add where a share is one line (fp32 on AVX2): a loop clipped to the
-  // share's end cost 10% of the instructions of an fp32 V-first slot step (callgrind, AVX2).
+  // share's end cost a noticeable share of an fp32 V-first slot step's instructions.
   HWY_INLINE void step() {
     if (at_ >= end_) return;
     const char* p = reinterpret_cast<const char*>(base_ + at_);
@@ -286,7 +285,8 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
   const DF d;
   const int64_t L = lanes();
   constexpr int R = 4;
-  // Twice the V-first distance: a little faster when measured on two AVX2 cores.
+  // Twice the V-first distance, which measured a little faster (docs/performance.md, "Figures from
+  // the source's comments").
   const int64_t ahead = (2 * kPrefetchBytes) / static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
   int64_t r0 = 0;
@@ -381,8 +381,7 @@ struct SlotToken {
 // A step from a bf16 slot to a bf16 slot reads and writes its rows two vectors at a time in pair
 // order (load_bf16_pair, store_bf16_pair): the bf16 kernels are bound by the instructions that widen
 // and round, and a pair widens in 2 operations instead of 4 and narrows in 2 after its rounding
-// instead of 6 on AVX2 (the step over 32 x 32 bf16 heads of 128 x 128: 2.73-2.92 ms before,
-// 2.41-2.77 ms after, interleaved on two Zen 3 cores, 2026-12-05). A row's whole pairs of vectors
+// instead of 6 on AVX2 (docs/performance.md, 2026-12-05 afternoon). A row's whole pairs of vectors
 // are in pair order, a last odd vector in its own; the token's rows along the state's rows are put
 // in the same order once per item (to_pair_order). Steps that change the dtype keep the elements'
 // own order.
@@ -422,8 +421,8 @@ HWY_INLINE void from_pair_order(float* HWY_RESTRICT x, int64_t n) {
 // two operations, less than storing and loading it again, so the second pass reads the rows anew.
 // Outside pair order the passes go a cache line of the rows at a time (line_elements): `ahead`
 // takes the next state's share once per line of each pass, and the first pass requests the same line
-// of `next_rows` (the next group's, if any) toward L1. Done once per vector, with a check for the
-// line's start, they cost another 7% of the instructions of an fp32 step (callgrind, AVX2).
+// of `next_rows` (the next group's, if any) toward L1: done once per vector, with a check for the
+// line's start, they cost more instructions.
 template <int R, typename Src, typename Dst>
 HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, SlotToken& t, float scale,
                              float* HWY_RESTRICT kept, NextStateToL2* ahead, const Src* next_rows) {
@@ -528,9 +527,8 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
 // state's step requests each group's successor toward L1 a line at a time while the group is
 // summed (one burst of 32 requests held up the core), and the next state toward L2
 // (NextStateToL2). A bf16 one prefetches kPrefetchBytes ahead toward L1, on into the next state's
-// first rows: its rows are bound by instructions, and the L2 requests cost it 12% at 32 x 32 heads
-// while they took an fp32 step over 128 x 32 from 14.5 to 12.8 ms (docs/performance.md,
-// 2026-12-04 evening).
+// first rows: its rows are bound by instructions, and the L2 requests slowed it down while they
+// sped the fp32 step up (docs/performance.md, 2026-12-04 evening).
 template <typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
@@ -563,9 +561,9 @@ void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, 
 // S2 bottom row first. Bottom first because a block rarely stays in L1 whole between its passes:
 // the rows read last are the ones still there. A 64 KiB state (K = V = 128, fp32) does not fit a
 // 48 KiB L1 even as whole-row blocks, and a narrower block fares no better: the rows of a 128-byte
-// block, 512 B apart, fall on 16 of L1's 64 sets, 16 lines to each 12-way set (top first, such a
-// block took 57 us a step on an L2-held 16-head pool, bottom first 46). `ahead`: two shares of the
-// next state per row.
+// block, 512 B apart, fall on 16 of L1's 64 sets, 16 lines to each 12-way set (bottom first is the
+// faster order: docs/performance.md, "Figures from the source's comments"). `ahead`: two shares of
+// the next state per row.
 template <int W, typename Src, typename Dst>
 HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, int64_t j0, SlotToken& t,
                                 float scale, NextStateToL2& ahead) {
@@ -664,9 +662,8 @@ constexpr int kColumnVectors = 8;
 // The whole step on a K-first [K][V] state, a block of columns at a time (the last block narrower).
 // At K = V = 128 on AVX-512 a block is the whole row width, so a step is two sweeps over the state.
 // It replaced a form that interleaved the second sweep of one item with the first of the next, its
-// sums in memory and the next state prefetched toward L1 only a few KiB ahead: the fp32 step over
-// 32 x 32 heads went from 1.77 to 1.58 ms, over 128 x 32 from 15.7 to 11.2 ms (2026-12-04, two
-// AVX-512 cores).
+// sums in memory and the next state prefetched toward L1 only a few KiB ahead, and was faster than it
+// (docs/performance.md, 2026-12-04 evening).
 template <typename Src, typename Dst>
 void slot_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, SlotToken& t, float scale,
                   const NextState& next) {
@@ -739,8 +736,8 @@ struct DecodeWork {
   SlotToken slot;         // a slot step's token
   // The token kernels' memory, made only for a call with an item that runs them (make_token_rows,
   // before any item, so that running out of memory writes nothing): a call of slot steps only, the
-  // usual one, never touches it, and clearing its ~230 KiB (K = V = 128) on every call took most of
-  // the ~4 us that a call cost beyond its heads.
+  // usual one, never touches it: clearing its ~230 KiB (K = V = 128) on every call was most of what a
+  // call cost beyond its heads (docs/performance.md, 2026-12-05 evening).
   Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
   Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
   DecodeWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), slot(Kp, Vp) {
@@ -952,9 +949,8 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   // next: the next item's token rows and state are prefetched (NextState).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
   // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves
-  // (docs/performance.md, "2026-12-06, llama.cpp", has the figures: 4 MiB on two Zen 5 cores while kda's
-  // helpers were its own threads inside vLLM; 1 MiB on the Xeon with the workers on OpenMP's team or its
-  // own). The items' results do not depend on the worker that computes them, so this changes no result.
+  // (docs/performance.md, "2026-12-06, llama.cpp", has the figures). The items' results do not depend
+  // on the worker that computes them, so this changes no result.
   const int64_t state_bytes = items * plan.K * plan.V * static_cast<int64_t>(sizeof(float));
   const int64_t shares =
       std::clamp<int64_t>(state_bytes / kDecodeBytesPerWorker, 1, std::min<int64_t>(items, run.threads()));

@@ -50,7 +50,7 @@ int resolve_num_threads(int requested) {
 namespace {
 
 // Strongly decaying gates drive many products towards the subnormal range, where x86 arithmetic is
-// up to 100x slower. Values that small (< 1e-38 against states of order 1) do not change any result
+// far slower. Values that small (< 1e-38 against states of order 1) do not change any result
 // at float precision, so kernels run with subnormals flushed to zero; the caller's mode is restored.
 class FlushSubnormals {
  public:
@@ -84,8 +84,8 @@ thread_local BlockCache* t_block_cache = nullptr;
 // makes it so: the caller takes every item no helper took). Why: inside a torch process (vLLM's
 // decode loop, a training step) the other cores are often held by OpenMP threads that spin for a
 // while after each torch operation, so a helper woken for a short call may not run for a scheduler
-// tick. A one-token decode step over 2 MiB of state took 0.49 ms on two threads inside vLLM when the
-// caller waited for its helper, and 0.30 ms on one thread; a late helper now costs nothing.
+// tick: a caller that waited for such a helper made a short decode step slower on two threads than
+// on one (docs/performance.md, "Figures from the source's comments"); a late helper now costs nothing.
 class ThreadPool {
  public:
   ThreadPool() = default;
@@ -179,9 +179,8 @@ class ThreadPool {
 // in a torch process the same libgomp (by its soname) and, for calls from the thread that runs
 // torch's operations, the same threads. Why: after each torch operation those threads spin for a
 // while (on a two-core AVX-512 Xeon, long enough to cover a whole kda call), holding the cores
-// kda's own helpers would need; there, a one-token decode step over 32 requests x 32 heads of
-// 128 x 128 bf16 state took 4.37 / 4.11 ms right after a torch GEMM with kda's own pool and 1.91 /
-// 2.02 ms on the OpenMP threads (docs/performance.md, 2026-12-03 late, has the rest). The price:
+// kda's own helpers would need; there, a decode step right after a torch GEMM ran much faster on
+// the OpenMP threads than on kda's own pool (docs/performance.md, 2026-12-03 late). The price:
 // a parallel region ends in a barrier, so the caller waits for a team thread that was descheduled,
 // which kda's own pool never does (see ThreadPool).
 //

@@ -364,9 +364,9 @@ void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t 
 // 2c accumulators and c residuals per vector stay in registers, 24 of AVX-512's 32 at c = 4 and 2 vectors, 12
 // of AVX2's 16 at c = 2 and 2 vectors. On AVX2 the wider group (c = 4) fits at 1 vector only, where each
 // row's 12 broadcast loads (k and q of the group's tokens) serve one vector: that sweep ran slower than the
-// per-key kernel's 4 operations per token (T=4096 HV=16 on two Zen 3 cores: 68-73 ms against KDA's 62; a tree
-// over the row's chain of updates gave 64-76). At c = 2 they serve two vectors, 3.5 operations per token:
-// 55-57 ms, 87% of the FMA ports' rate (docs/performance.md, 2026-12-05).
+// per-key kernel's 4 operations per token, as did a tree over the row's chain of updates. At c = 2 they
+// serve two vectors, 3.5 operations per token, close to the FMA ports' rate (docs/performance.md,
+// 2026-12-05, and "Figures from the source's comments").
 constexpr int kGroup = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
 constexpr int kScalarGateVectors = 2;
 

@@ -555,12 +555,10 @@ void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& pla
 }  // namespace
 
 // Column shares (cpu/column_shares-inl.h) of the recurrent backward: what a share repeats is the
-// per-token work on K-vectors (the gate row, the norm backward, the dq / dk rows). On one thread the
-// backward at V = 64 took 61% (T = 4096) and 78% (T = 16384) of the one at V = 128 (K = 128), but
-// two shares running at once each took ~20% longer than alone, and slicing and summing added ~2 ms:
-// one head, one against two threads (medians of 7, through autograd), K = 128, V = 128: T = 512
-// 0.86x, 1024 0.89x, 4096 0.96x, 8192 1.45x, 16384 1.18-1.45x; K = 64: T = 4096 0.84x, 8192 1.14x,
-// 16384 1.17-1.35x. Hence shares from 8192 tokens on.
+// per-token work on K-vectors (the gate row, the norm backward, the dq / dk rows). Two shares
+// running at once each run slower than alone, and slicing and summing cost a fixed time, so shares
+// pay only for long sequences: from 8192 tokens on (docs/performance.md, "Figures from the source's
+// comments").
 constexpr int64_t kMinShareTokens = 8192;
 constexpr int64_t kMinShareColumns = 64;
 

@@ -71,9 +71,9 @@ enum class Accumulate { overwrite, add, subtract };
 
 // Rows of the register tile and vectors per row. AVX2 has 16 registers: 6 x 2 vectors keep 12
 // accumulators, the B row and one broadcast; the 12 independent FMA chains cover the FMA latency at
-// two FMAs per cycle (a 4 x 2 tile, 8 chains, ran at half the rate: 38 vs 75 GFLOP/s on a 64 x 128 x 128
-// product in cache, one Zen core). 4 x 4 AVX-512 vectors keep 16 accumulators, the B row and one
-// broadcast in the 32 registers.
+// two FMAs per cycle, which a 4 x 2 tile's 8 chains do not (docs/performance.md, "Figures from the
+// source's comments"). 4 x 4 AVX-512 vectors keep 16 accumulators, the B row and one broadcast in
+// the 32 registers.
 inline constexpr int kTileRows = (HWY_TARGET == HWY_AVX2) ? 6 : 4;
 inline constexpr int kTileVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
 

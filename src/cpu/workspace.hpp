@@ -77,9 +77,8 @@ class Buffer {
 
 // Value heads per work item of a forward. The rows of adjacent heads of one token are adjacent in
 // memory, so a group of heads reads each token's rows as one run, where one head alone reads rows a
-// whole [H, K] row apart (a stand-alone copy of 8 adjacent heads' 512-byte rows per token ran
-// 1.4-1.7x faster than head by head; in the recurrent prefill at T=8192, H=32, K=V=128 the gather's
-// memory cost, seen with the prefetches off, halved). The group is at most 8 heads and ~4 MB of
+// whole [H, K] row apart, at a higher memory cost (docs/performance.md, "Figures from the source's
+// comments"). The group is at most 8 heads and ~4 MB of
 // per-thread memory (head_bytes per head), and is halved while there would be fewer than two items
 // per thread. Heads are computed independently, so the grouping changes no result.
 inline int64_t heads_per_item(const core::Plan& plan, int threads, int64_t head_bytes) {
