@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cli_args.hpp"
+#include "cpu/tuning.hpp"
 #include "harness.hpp"
 #include "kda/kda.hpp"
 #include "kda/reference.hpp"
@@ -51,7 +52,7 @@ constexpr const char* kUsage = R"(usage: kda [check|bench|decode|route|targets] 
                  and the state bandwidth reached.
   kda route      which kernel every entry point runs for a shape, on which backend, and why (the
                  one routing rule, kda::route; --B --T --H --K --V, default a decode step and a
-                 Kimi Linear prefill)
+                 Kimi Linear prefill); then the CPU kernels' tuning table (src/cpu/tuning.hpp)
   kda targets    the SIMD targets of this build that this CPU runs, best first, one per line
                  (KDA_CPU_TARGET=NAME pins one for every command)
   kda --help     this text
@@ -761,6 +762,18 @@ std::string join(const std::vector<std::string>& names) {
   return s;
 }
 
+// Prints the CPU kernels' tuning table (src/cpu/tuning.hpp says what each entry decides).
+void print_tuning() {
+  std::printf("CPU tuning (src/cpu/tuning.hpp; this CPU's target: %s)\n", kda::simd_target());
+  for (const kda::cpu::TuningRow& row : kda::cpu::kTuningRows) {
+    std::string value = row.boolean ? (row.value != 0 ? "true" : "false") : std::to_string(row.value);
+    if (row.value_on != nullptr)
+      value +=
+          " on " + std::string(row.value_on) + ", " + std::to_string(row.other) + " on the other targets";
+    std::printf("  %-34s %s\n", row.name, value.c_str());
+  }
+}
+
 // Prints, for each shape, what every entry point runs (chunk states kept or not where that matters).
 int run_route(const Options& o) {
   std::vector<std::pair<int64_t, int64_t>> shapes;  // (B, T)
@@ -799,6 +812,7 @@ int run_route(const Options& o) {
                 kda::kernel_name(r.kernel), r.backend, r.reason, kda::bf16_product_unit(),
                 join(kda::bf16_product_units()).c_str());
   }
+  print_tuning();
   return 0;
 }
 

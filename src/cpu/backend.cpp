@@ -3,6 +3,7 @@
 #include "cpu/backend.hpp"
 
 #include "cpu/bf16_units.hpp"
+#include "cpu/tuning.hpp"
 
 namespace kda::cpu {
 namespace {
@@ -11,19 +12,22 @@ namespace {
 // mode, layout and dtype.
 const char* unsupported(const core::Plan&) { return nullptr; }
 
-// The recurrent kernel was the faster prefill at every shape measured, on AVX2 and AVX-512
-// (docs/performance.md, "Figures from the source's comments"), so a prefill takes it for every
-// shape; a faster chunked kernel can take back the shapes it wins here.
-bool prefill_prefers_recurrent(const core::Plan&, const RunOptions&) { return true; }
-
-// Sequences of at most this many tokens (decode steps, short speculative runs) go to the decode
-// kernel when no chunk states are kept.
-constexpr int64_t kDecodeTokens = 16;
+// The routing rule's two questions, answered from the tuning table (cpu/tuning.hpp): an automatic
+// prefill's kernel, and the sequences short enough for the decode kernel.
+bool prefill_prefers_recurrent(const core::Plan&, const RunOptions&) {
+  return kTuning.prefill_prefers_recurrent;
+}
 
 const core::Backend kCpu{
-    "cpu",           &unsupported,        &prefill_prefers_recurrent,
-    kDecodeTokens,   &chunk_forward,      &recurrent_forward,
-    &chunk_backward, &recurrent_backward, &decode,
+    "cpu",
+    &unsupported,
+    &prefill_prefers_recurrent,
+    kTuning.decode_tokens,
+    &chunk_forward,
+    &recurrent_forward,
+    &chunk_backward,
+    &recurrent_backward,
+    &decode,
 };
 
 }  // namespace

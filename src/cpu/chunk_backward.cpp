@@ -630,18 +630,13 @@ void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& pla
 // V-independent part of a chunk (its intra-chunk matrices, the solve's W half and the pair terms):
 // a quarter of the backward's FLOPs at K = V = 128, but a larger share of its time, since the pair
 // terms run below the GEMMs' rate. If a fraction f of an item's time is V-independent, P shares run
-// it in f + (1 - f) / P of its time.
-//
-// A share pays for its setup (slicing the states, summing the partial gradients) once its item has
-// a few chunks, and for its repeated V-independent work once it has 64 columns; narrower shares
-// were slower than one thread (docs/performance.md, "Figures from the source's comments", and
-// 2026-12-03 evening).
-constexpr int64_t kMinShareTokens = 4 * C;
-constexpr int64_t kMinShareColumns = 64;
+// it in f + (1 - f) / P of its time. When a split pays: tuning.hpp's chunk_backward_share_tokens
+// and chunk_backward_share_columns.
 
 void ChunkBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                    Runner& run) {
-  backward_in_column_shares(plan, in, out, run, kMinShareTokens, kMinShareColumns,
+  backward_in_column_shares(plan, in, out, run, kTuning.chunk_backward_share_tokens,
+                            kTuning.chunk_backward_share_columns,
                             [&](const auto& plans, const auto& ins, const auto& outs) {
                               run_items(plan, plans, ins, outs, out, run);
                             });

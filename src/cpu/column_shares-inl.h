@@ -198,9 +198,9 @@ void backward_in_column_shares(const core::Plan& plan, const BackwardInputs& in,
   std::vector<std::vector<float>> rows(static_cast<size_t>(run.threads()),
                                        std::vector<float>(static_cast<size_t>(plan.K)));
   run_problems(plans, ins, outs);
-  // Then blocks of 256 token positions t (of every sequence, whatever its batch row) are summed,
-  // and each share scatters its columns of d_initial_state.
-  const int64_t block = 256, blocks = (plan.problem.seq_len + block - 1) / block;
+  // Then blocks of token positions t (of every sequence, whatever its batch row; tuning.hpp's
+  // column_share_sum_tokens) are summed, and each share scatters its columns of d_initial_state.
+  const int64_t block = kTuning.column_share_sum_tokens, blocks = (plan.problem.seq_len + block - 1) / block;
   run.parallel_for(blocks + shares, [&](int64_t task, int worker) {
     if (task >= blocks) {
       if (out.d_initial_state != nullptr)

@@ -4,7 +4,7 @@
 // applied to the state in its pool slot's own layout, so that no transpose is ever needed:
 //  - V-first [V][K]: each row (one value channel over the key channels) is self-contained: k^T S1,
 //    the correction and the output all happen in one visit of the row (two passes over it while it
-//    sits in L1, four rows at a time).
+//    sits in L1, kRows rows at a time).
 //  - K-first [K][V]: k^T S1 needs every row before any row can be corrected, so two sequential
 //    sweeps over the rows (of a block of columns, which is self-contained); the state, 64 KiB at
 //    K = V = 128, is in L2 for the second.
@@ -56,12 +56,10 @@ HWY_INLINE int64_t line_elements() {
   return std::max<int64_t>(64 / static_cast<int64_t>(sizeof(Src)), lanes());
 }
 
-// The state bytes below which one more decode worker does not pay for its wake-up (see Decode): a
-// request of 32 heads of 128 x 128 fp32 state (2 MiB) gets two.
-constexpr int64_t kDecodeBytesPerWorker = int64_t{1} << 20;
-
-// How far ahead of the rows being updated the state is prefetched.
-constexpr int64_t kPrefetchBytes = 2048;
+// How far ahead of the rows being updated the state is prefetched (tuning.hpp).
+constexpr int64_t kPrefetchBytes = kTuning.decode_prefetch_bytes;
+// State rows per pass of the V-first kernels and per group of the K-first token sweeps (tuning.hpp).
+constexpr int kRows = kTuning.decode_rows;
 
 // Prefetches the cache lines of bytes [from, from + count) of a state of `total` bytes at `base`
 // (clipped to the state).
@@ -217,7 +215,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
                    float scale, float* o, const StateRows& src, const StateRows& dst) {
   const DF d;
   const int64_t L = lanes();
-  constexpr int R = 4;  // rows per pass: four independent reductions in flight
+  constexpr int R = kRows;  // rows per pass: independent reductions in flight
   // The state streams from memory once: prefetch the rows a few groups ahead, past the 4 KiB pages
   // where the hardware prefetchers stop.
   const int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
@@ -273,7 +271,7 @@ void token_v_first(float* HWY_RESTRICT S, int64_t V, int64_t ld, const float* HW
 }
 
 // One token on a K-first state [K][ld] (ld a multiple of the vector length; v and o have ld floats,
-// acc is scratch of ld floats). Two sequential sweeps over the rows, four at a time: k^T S1
+// acc is scratch of ld floats). Two sequential sweeps over the rows, kRows at a time: k^T S1
 // (accumulated in acc, which stays in L1), then the decay again, the correction and q^T S2 (in o).
 // The state streams from memory once, in address order (prefetched ahead); the second sweep finds it
 // in L2. Only the second sweep stores: recomputing S0 * e costs one multiply, storing it a store and
@@ -284,10 +282,8 @@ void token_k_first(float* HWY_RESTRICT S, int64_t K, int64_t ld, const float* HW
                    const StateRows& src, const StateRows& dst, const NextState& next) {
   const DF d;
   const int64_t L = lanes();
-  constexpr int R = 4;
-  // Twice the V-first distance, which measured a little faster (docs/performance.md, "Figures from
-  // the source's comments").
-  const int64_t ahead = (2 * kPrefetchBytes) / static_cast<int64_t>(sizeof(float));
+  constexpr int R = kRows;
+  const int64_t ahead = kTuning.decode_k_first_prefetch_bytes / static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < ld; j += L) hn::StoreU(hn::Zero(d), d, acc + j);
   int64_t r0 = 0;
   for (; r0 + R <= K; r0 += R) {
@@ -523,7 +519,7 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   }
 }
 
-// The whole step on a V-first [V][K] state: rows four at a time, each row self-contained. An fp32
+// The whole step on a V-first [V][K] state: rows kRows at a time, each row self-contained. An fp32
 // state's step requests each group's successor toward L1 a line at a time while the group is
 // summed (one burst of 32 requests held up the core), and the next state toward L2
 // (NextStateToL2). A bf16 one prefetches kPrefetchBytes ahead toward L1, on into the next state's
@@ -532,7 +528,7 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
 template <typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
-  constexpr int R = 4;
+  constexpr int R = kRows;
   constexpr bool kToL2 = std::is_same_v<Src, float>;
   // A share per line of each pass (and per vector past a row's last whole line).
   const int64_t line = line_elements<Src>();
@@ -651,13 +647,9 @@ HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, 
   }
 }
 
-// Vectors per K-first column block: 8 keep 16 sums in registers where there are 32 (AVX-512,
-// NEON, SVE), 4 where there are 16 (AVX2 and older x86 targets).
-#if HWY_ARCH_X86 && HWY_TARGET > HWY_AVX3
-constexpr int kColumnVectors = 4;
-#else
-constexpr int kColumnVectors = 8;
-#endif
+// Vectors per K-first column block (tuning.hpp: decode_column_vectors).
+constexpr int kColumnVectors = on_target(kTuning.decode_column_vectors);
+static_assert(kColumnVectors >= 1 && kColumnVectors <= 8, "column blocks of 1 to 8 vectors");
 
 // The whole step on a K-first [K][V] state, a block of columns at a time (the last block narrower).
 // At K = V = 128 on AVX-512 a block is the whole row width, so a step is two sweeps over the state.
@@ -732,7 +724,7 @@ void load_slot_token(const core::Plan& plan, const ForwardInputs& fwd, const cor
 
 struct DecodeWork {
   int64_t K, V, Kp, Vp;
-  Buffer<float> scratch;  // K-first: k^T S1 (Vp); V-first slot steps from bf16: 4 rows (4 Kp)
+  Buffer<float> scratch;  // K-first: k^T S1 (Vp); V-first slot steps from bf16: kRows rows (kRows Kp)
   SlotToken slot;         // a slot step's token
   // The token kernels' memory, made only for a call with an item that runs them (make_token_rows,
   // before any item, so that running out of memory writes nothing): a call of slot steps only, the
@@ -741,7 +733,7 @@ struct DecodeWork {
   Buffer<float> S;                    // fp32 working state, max(K * Vp, V * Kp)
   Buffer<float> q, k, v, e, beta, o;  // up to kTokens token rows
   DecodeWork(int64_t K_, int64_t V_) : K(K_), V(V_), Kp(padded(K_)), Vp(padded(V_)), slot(Kp, Vp) {
-    scratch.reset(static_cast<size_t>(std::max(Vp, 4 * Kp)));
+    scratch.reset(static_cast<size_t>(std::max(Vp, kRows * Kp)));
   }
   void make_token_rows() {
     S.reset(static_cast<size_t>(std::max(K * Vp, V * Kp)));
@@ -865,8 +857,10 @@ const core::StateRef& first_stored_state(const core::Plan& plan, int64_t n) {
 }
 
 // Whether request n's step is a slot step (see "one token from a slot to a slot"): one token from
-// its state's slot to a stored state, rows of whole vectors.
+// its state's slot to a stored state, rows of whole vectors, where tuning.hpp's decode_slot_steps
+// has the slot kernels run such steps.
 bool is_slot_step(const core::Plan& plan, int64_t n) {
+  if (!kTuning.decode_slot_steps) return false;
   if (plan.sequences[n].length != 1 || (!plan.padding.empty() && plan.padding[n])) return false;
   return plan.initial[n] && first_stored_state(plan, n) && state_row_length(plan) % lanes() == 0;
 }
@@ -948,12 +942,13 @@ void Decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs&
   // Each worker takes a contiguous share of the (request, head) items, so that it knows what it reads
   // next: the next item's token rows and state are prefetched (NextState).
   // Items cost the same, up to the tokens of a request, so equal shares balance. A worker beyond the first
-  // must have kDecodeBytesPerWorker of (fp32-sized) state to stream, or waking it costs more than it saves
+  // must have decode_bytes_per_worker (tuning.hpp) of (fp32-sized) state to stream, or waking it costs
+  // more than it saves
   // (docs/performance.md, "2026-12-06, llama.cpp", has the figures). The items' results do not depend
   // on the worker that computes them, so this changes no result.
   const int64_t state_bytes = items * plan.K * plan.V * static_cast<int64_t>(sizeof(float));
-  const int64_t shares =
-      std::clamp<int64_t>(state_bytes / kDecodeBytesPerWorker, 1, std::min<int64_t>(items, run.threads()));
+  const int64_t shares = std::clamp<int64_t>(state_bytes / kTuning.decode_bytes_per_worker, 1,
+                                             std::min<int64_t>(items, run.threads()));
   run.parallel_for(shares, [&](int64_t share, int worker) {
     const int64_t first = items * share / shares, last = items * (share + 1) / shares;
     DecodeWork& w = *work[static_cast<size_t>(worker)];

@@ -57,11 +57,12 @@ namespace {
 
 constexpr int64_t kC = kChunkSize;
 
-// Vectors per row of a forward column block: accumulators for k^T S and q^T S (2 * NV), the
-// residual (NV) and the row being updated must fit the register file (16 on AVX2, 32 on AVX-512).
-constexpr int kFwdVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
-// State columns per backward group: one k^T dS2 accumulator each, plus the shared row vectors.
-constexpr int kBwdColumns = (HWY_TARGET == HWY_AVX2) ? 4 : 8;
+// Vectors per row of a forward column block and state columns per backward group (tuning.hpp:
+// recurrent_forward_vectors, recurrent_backward_columns).
+constexpr int kFwdVectors = on_target(kTuning.recurrent_forward_vectors);
+constexpr int kBwdColumns = on_target(kTuning.recurrent_backward_columns);
+static_assert(kFwdVectors >= 1 && kFwdVectors <= 4, "forward column blocks of 1 to 4 vectors");
+static_assert(kBwdColumns >= 1, "backward groups of at least one column");
 
 HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
@@ -360,15 +361,12 @@ void forward_columns_dispatch(int nv, int64_t K, int64_t n, int64_t Kp, int64_t 
 // that underflows to 0 stays exact. One pass over the state per group writes P' and accumulates
 // P'^T k and P'^T q of the next group: 3c + 1 vector operations per state vector for c tokens,
 // against 4 per token for the per-key kernel (1.23x fewer at c = 4, 1.14x at c = 2), and one load and store
-// of the state per group instead of per token. Tokens per group and vectors per row of one sweep: the group's
-// 2c accumulators and c residuals per vector stay in registers, 24 of AVX-512's 32 at c = 4 and 2 vectors, 12
-// of AVX2's 16 at c = 2 and 2 vectors. On AVX2 the wider group (c = 4) fits at 1 vector only, where each
-// row's 12 broadcast loads (k and q of the group's tokens) serve one vector: that sweep ran slower than the
-// per-key kernel's 4 operations per token, as did a tree over the row's chain of updates. At c = 2 they
-// serve two vectors, 3.5 operations per token, close to the FMA ports' rate (docs/performance.md,
-// 2026-12-05, and "Figures from the source's comments").
-constexpr int kGroup = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
-constexpr int kScalarGateVectors = 2;
+// of the state per group instead of per token. Tokens per group (c) and vectors per row of one sweep:
+// tuning.hpp's scalar_gate_group and scalar_gate_vectors (docs/performance.md, 2026-12-05).
+constexpr int kGroup = on_target(kTuning.scalar_gate_group);
+constexpr int kScalarGateVectors = kTuning.scalar_gate_vectors;
+static_assert(kScalarGateVectors >= 1 && kScalarGateVectors <= 2, "sweeps of 1 or 2 vectors");
+static_assert(kGroup >= 1 && kChunkSize % kGroup == 0, "a block of rows is a whole number of groups");
 
 // The per-group scalars of the formulas above, shared by every column of a head's state.
 struct GateGroup {

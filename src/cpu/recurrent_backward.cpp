@@ -555,16 +555,13 @@ void run_items(const core::Plan& plan, const std::vector<const core::Plan*>& pla
 }  // namespace
 
 // Column shares (cpu/column_shares-inl.h) of the recurrent backward: what a share repeats is the
-// per-token work on K-vectors (the gate row, the norm backward, the dq / dk rows). Two shares
-// running at once each run slower than alone, and slicing and summing cost a fixed time, so shares
-// pay only for long sequences: from 8192 tokens on (docs/performance.md, "Figures from the source's
-// comments").
-constexpr int64_t kMinShareTokens = 8192;
-constexpr int64_t kMinShareColumns = 64;
+// per-token work on K-vectors (the gate row, the norm backward, the dq / dk rows). When a split
+// pays: tuning.hpp's recurrent_backward_share_tokens and recurrent_backward_share_columns.
 
 void RecurrentBackward(const core::Plan& plan, const BackwardInputs& in, const BackwardOutputs& out,
                        Runner& run) {
-  backward_in_column_shares(plan, in, out, run, kMinShareTokens, kMinShareColumns,
+  backward_in_column_shares(plan, in, out, run, kTuning.recurrent_backward_share_tokens,
+                            kTuning.recurrent_backward_share_columns,
                             [&](const auto& plans, const auto& ins, const auto& outs) {
                               run_items(plan, plans, ins, outs, out, run);
                             });

@@ -20,6 +20,7 @@
 
 #include "core/plan.hpp"
 #include "core/preprocess.hpp"
+#include "cpu/tuning.hpp"
 #include "cpu/workspace.hpp"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -39,6 +40,12 @@ using DF = hn::CappedTag<float, kPad>;
 using VF = hn::Vec<DF>;
 // Doubles for the float64 accumulations, as many lanes as DF at most (they rebind to floats).
 using DD = hn::CappedTag<double, kPad / 2>;
+
+// The value of a per-target entry of the tuning table (cpu/tuning.hpp) on this target.
+constexpr int on_target(ByTarget v) { return HWY_TARGET == HWY_AVX2 ? v.avx2 : v.other; }
+constexpr int on_target(ByX86Width v) {
+  return HWY_ARCH_X86 && HWY_TARGET > HWY_AVX3 ? v.x86_below_avx512 : v.other;
+}
 
 // N vectors indexed by (unrolled) loop counters: register tiles and blocks of accumulators.
 // On targets with sized vectors this is an array of vectors, which the optimiser keeps in registers.
@@ -69,13 +76,11 @@ class VectorArray {
 
 enum class Accumulate { overwrite, add, subtract };
 
-// Rows of the register tile and vectors per row. AVX2 has 16 registers: 6 x 2 vectors keep 12
-// accumulators, the B row and one broadcast; the 12 independent FMA chains cover the FMA latency at
-// two FMAs per cycle, which a 4 x 2 tile's 8 chains do not (docs/performance.md, "Figures from the
-// source's comments"). 4 x 4 AVX-512 vectors keep 16 accumulators, the B row and one broadcast in
-// the 32 registers.
-inline constexpr int kTileRows = (HWY_TARGET == HWY_AVX2) ? 6 : 4;
-inline constexpr int kTileVectors = (HWY_TARGET == HWY_AVX2) ? 2 : 4;
+// Rows of the register tile and vectors per row (tuning.hpp: gemm_tile_rows, gemm_tile_vectors).
+inline constexpr int kTileRows = on_target(kTuning.gemm_tile_rows);
+inline constexpr int kTileVectors = on_target(kTuning.gemm_tile_vectors);
+static_assert(kTileRows >= 1 && kTileRows <= 6 && kTileVectors >= 1 && kTileVectors <= 4,
+              "gemm has tiles of up to 6 rows of 4 vectors");
 
 template <int MR, int NV>
 HWY_INLINE void gemm_tile(int64_t inner, const float* HWY_RESTRICT A, int64_t a_rs, int64_t a_cs,

@@ -12,6 +12,7 @@
 
 #include "core/plan.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/tuning.hpp"
 #include "kda/kda.hpp"
 
 namespace kda::cpu {
@@ -75,17 +76,14 @@ class Buffer {
   BlockCache* cache_ = nullptr;
 };
 
-// Value heads per work item of a forward. The rows of adjacent heads of one token are adjacent in
-// memory, so a group of heads reads each token's rows as one run, where one head alone reads rows a
-// whole [H, K] row apart, at a higher memory cost (docs/performance.md, "Figures from the source's
-// comments"). The group is at most 8 heads and ~4 MB of
-// per-thread memory (head_bytes per head), and is halved while there would be fewer than two items
-// per thread. Heads are computed independently, so the grouping changes no result.
+// Value heads per work item of a forward: a group of adjacent heads reads each token's rows as one
+// run, where one head alone reads rows a whole [H, K] row apart. The group is at most
+// forward_heads_per_item heads and forward_item_bytes of per-thread memory (head_bytes per head;
+// tuning.hpp), and is halved while there would be fewer than two items per thread. Heads are
+// computed independently, so the grouping changes no result.
 inline int64_t heads_per_item(const core::Plan& plan, int threads, int64_t head_bytes) {
-  constexpr int64_t kMaxHeadsPerItem = 8;
-  constexpr int64_t kMaxItemBytes = int64_t{4} << 20;
-  int64_t heads =
-      std::clamp<int64_t>(kMaxItemBytes / head_bytes, 1, std::min<int64_t>(kMaxHeadsPerItem, plan.HV));
+  int64_t heads = std::clamp<int64_t>(kTuning.forward_item_bytes / head_bytes, 1,
+                                      std::min<int64_t>(kTuning.forward_heads_per_item, plan.HV));
   const auto items = [&](int64_t g) { return plan.num_sequences() * ((plan.HV + g - 1) / g); };
   while (heads > 1 && items(heads) < 2 * static_cast<int64_t>(threads)) heads = (heads + 1) / 2;
   return heads;
