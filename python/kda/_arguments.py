@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from . import _engine
+from ._family import KDA
 
 RECURRENT_KWARGS = frozenset({"transpose_state_layout"})
 NAMES = ("q", "k", "v", "g", "beta")
@@ -45,16 +46,13 @@ def check_cpu(names, tensors):
             )
 
 
-def check_shapes(q, k, v, g, beta, gate_width="per_key"):
-    """fla's shape checks (the same exception types), plus what the engine supports. ``gate_width``
-    (the problem option): "per_key", KDA's g [B, T, HV, K], or "per_head", the gated delta rule's
-    g [B, T, HV] (fla's GDN functions raise ValueError where its KDA ones assert)."""
-    per_head = gate_width == "per_head"
-    gate_rank = 3 if per_head else 4
-    for name, t, rank in zip(NAMES[:4], (q, k, v, g), (4, 4, 4, gate_rank), strict=True):
+def check_shapes(q, k, v, g, beta, family=KDA):
+    """fla's shape checks (the same exception types: the family's), plus what the engine supports.
+    ``family``: the operator family (kda._family), whose row gives the gate's shape."""
+    for name, t, rank in zip(NAMES[:4], (q, k, v, g), (4, 4, 4, family.gate_rank), strict=True):
         if t.dim() != rank:
             if name == "g":
-                raise ValueError(_gate_rank_message(per_head, g))
+                raise ValueError(family.gate_rank_message(g))
             raise ValueError(f"kda: '{name}' must be a 4-D tensor, got shape {list(t.shape)}")
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
@@ -64,14 +62,13 @@ def check_shapes(q, k, v, g, beta, gate_width="per_key"):
         )
     if H < 1 or HV < 1:
         raise ValueError(f"kda: q and v need at least one head, got H={H}, HV={HV}")
-    # fla's GDN functions check these with ValueError, its KDA functions with assertions.
-    shape_error = ValueError if per_head else AssertionError
+    shape_error = family.shape_error
     if q.shape != k.shape:
         raise shape_error(f"q and k must have the same shape, got q={q.shape} vs k={k.shape}")
     if K > _engine.MAX_HEAD_DIM:
-        if per_head:
-            raise NotImplementedError(f"kda supports key head dims up to {_engine.MAX_HEAD_DIM}, got K={K}")
-        raise AssertionError(f"Currently we only support key headdim <=256 for KDA, got {K}.")
+        if family.head_dim_error is AssertionError:  # fla's KDA functions' own assertion
+            raise AssertionError(f"Currently we only support key headdim <=256 for KDA, got {K}.")
+        raise family.head_dim_error(f"kda supports key head dims up to {_engine.MAX_HEAD_DIM}, got K={K}")
     if V > _engine.MAX_HEAD_DIM:
         raise NotImplementedError(f"kda supports value head dims up to {_engine.MAX_HEAD_DIM}, got V={V}")
     if v.shape[0] != B or v.shape[1] != T:
@@ -81,27 +78,13 @@ def check_shapes(q, k, v, g, beta, gate_width="per_key"):
             f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_qk_heads (H={H}), "
             f"but got HV % H = {HV % H}"
         )
-    gate_shape = (B, T, HV) if per_head else (B, T, HV, K)
+    gate_shape = family.gate_shape(B, T, HV, K, V)
     if g.shape != gate_shape:
         raise shape_error(
-            f"g must have shape {'[B, T, HV]' if per_head else '[B, T, HV, K]'}={list(gate_shape)}, "
-            f"got {list(g.shape)}"
+            f"{family.gate_name} must have shape {family.gate_dims}={list(gate_shape)}, got {list(g.shape)}"
         )
     if beta.shape != (B, T, HV):
         raise shape_error(f"beta must have shape [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}")
-
-
-def _gate_rank_message(per_head, g):
-    if per_head:
-        return (
-            f"kda: 'g' of the gated delta rule must be [B, T, HV] (one log decay per head and token), got "
-            f"shape {list(g.shape)}; a decay per key channel is KDA's (gk of "
-            "fused_recurrent_gated_delta_rule, or chunk_kda)"
-        )
-    return (
-        f"kda: 'g' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
-        f"{list(g.shape)}; a decay per head [B, T, HV] is the gated delta rule's (chunk_gated_delta_rule)"
-    )
 
 
 # fla's fused_recurrent_gated_delta_rule takes (q, k, v, g, gk, gv, beta, ...): a call written as
@@ -179,19 +162,14 @@ def check_types(names, tensors, required):
         raise TypeError(f"kda: '{name}' must be {wanted}, got {type(t).__name__}")
 
 
-def check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_key"):
-    """fla's tensor checks (device, shapes, varlen): the engine makes the same checks, with its own
-    messages and exception types."""
+def check_tensors(family, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+    """fla's tensor checks (device, shapes, varlen) of a call of the family: the engine makes the same
+    checks, with its own messages and exception types."""
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     check_types(DEVICE_CHECKED, tensors, len(NAMES))
     check_cpu(DEVICE_CHECKED, tensors)
     check_varlen(q, initial_state, cu_seqlens)
-    check_shapes(q, k, v, g, beta, gate_width)
-
-
-def check_gdn_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-    """check_tensors for the gated delta rule's functions (g [B, T, HV])."""
-    check_tensors(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, gate_width="per_head")
+    check_shapes(q, k, v, g, beta, family)
 
 
 def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, function, stacklevel=3):

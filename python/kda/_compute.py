@@ -1,39 +1,11 @@
-"""What the drop-ins of both gate widths share (``kda.functional``'s KDA functions and
-``kda.gated_delta_rule``'s): the problem options of fla's flags, and one engine call through the
-custom ops with fla's checks around it."""
+"""What the drop-ins of every family share (``kda.functional``'s KDA functions and
+``kda.gated_delta_rule``'s): the chunked path a call's ``precision`` picks, and one engine call of a
+``_call.Call`` through the custom ops with fla's checks around it."""
 
 import torch
 
 from . import _ops
-from ._arguments import beta_mode_of, check_gdn_tensors, check_tensors, fla_errors, prepare_activations, side
-
-# fla's tensor checks of each gate width (the problem option).
-TENSOR_CHECKS = {"per_key": check_tensors, "per_head": check_gdn_tensors}
-
-
-def problem_of(
-    cu_seqlens,
-    scale,
-    state_v_first,
-    qk_l2norm,
-    gate,
-    lower_bound,
-    beta_sigmoid,
-    allow_neg_eigval,
-    gate_width="per_key",
-):
-    """The problem options (``_ops.problem_options``' names) of fla's flags; ``gate_width`` is
-    "per_head" for the gated delta rule's functions."""
-    return dict(
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        state_v_first=bool(state_v_first),
-        qk_l2norm=bool(qk_l2norm),
-        gate=gate,
-        gate_lower_bound=lower_bound,
-        beta_mode=beta_mode_of(beta_sigmoid, allow_neg_eigval),
-        gate_width=gate_width,
-    )
+from ._arguments import check_tensors, fla_errors, prepare_activations, side
 
 
 def chunk_path(kwargs, pooled, cp_context):
@@ -48,35 +20,24 @@ def chunk_path(kwargs, pooled, cp_context):
     return "chunk" if precision == "exact" else "chunk_bf16"
 
 
-def run(
-    path,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    problem,
-    *,
-    A_log,
-    dt_bias,
-    initial_state,
-    output_final_state,
-    out_dtype,
-    want_chunk_states=False,
-    cp=None,
-):
-    """One engine call through the custom ops (``problem``: the problem options by name, see
-    ``_ops.problem_options``), inside fla's checks of the problem's gate width
-    (``_arguments.fla_errors``): returns (o, final_state, chunk_states), o in ``out_dtype``, the states
-    in the engine's dtype; final_state / chunk_states are None when not asked for. The engine refuses
-    a g of the other gate width's rank. ``cp``: a context-parallel call (``kda.cp.Call``), which runs
-    it."""
-    check = TENSOR_CHECKS[problem["gate_width"]]
-    with fla_errors(check, q, k, v, g, beta, initial_state, problem["cu_seqlens"], A_log, dt_bias):
-        options = _ops.problem_options(q, **problem)
+def run(call):
+    """One engine call of ``call`` (a ``_call.Call``) through the custom ops, inside fla's checks of
+    its family (``_arguments.fla_errors``): returns (o, final_state, chunk_states), o in the call's
+    ``out_dtype``, the states in the engine's dtype; final_state / chunk_states are None when not
+    asked for. A context-parallel call (``call.cp``, a ``kda.cp.Call``) runs on its ranks."""
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    A_log, dt_bias, initial_state, path = call.A_log, call.dt_bias, call.initial_state, call.path
+    with fla_errors(check_tensors, *call.checked()):
+        options = call.problem
         (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
         if state_dtype == torch.float64:
             path = "reference"
+        elif not call.family.kernels:
+            raise NotImplementedError(
+                f"kda: the {call.family.gate_description} ({call.family.gate_subject} "
+                f"{call.family.gate_dims}) is not supported yet by kda's kernels; float64 inputs run on "
+                "the float64 oracle"
+            )
         if options.gate == "lower_bound" and A_log is None:
             # fla's gate without A_log is lower_bound * sigmoid(g + dt_bias): exp(A_log) = 1.
             A_log = torch.zeros(v.shape[2], dtype=state_dtype)
@@ -91,8 +52,8 @@ def run(
         grad, plain = _ops.inspect_inputs(
             (q, k, v, g, beta, A_log, dt_bias, initial_state, options.cu_seqlens)
         )
-        if cp is not None:
-            o = cp.forward(path, q, k, v, g, beta, A_log, dt_bias, options, grad)
+        if call.cp is not None:
+            o = call.cp.forward(path, q, k, v, g, beta, A_log, dt_bias, options, grad)
             final = chunks = None
         else:
             o, final, chunks = _ops.forward(
@@ -107,7 +68,8 @@ def run(
                 dt_bias,
                 initial_state,
                 *options,
-                bool(output_final_state),
-                grad or want_chunk_states,
+                bool(call.output_final_state),
+                grad or call.want_chunk_states,
             )
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final, chunks if want_chunk_states else None
+    out_dtype = call.out_dtype
+    return (o if o.dtype == out_dtype else o.to(out_dtype)), final, chunks if call.want_chunk_states else None

@@ -39,19 +39,32 @@ NAMESPACE = (__package__ or "kda").replace(".", "_")
 
 # ---- the arguments, defined once -----------------------------------------------------------------
 
+
+def default_scale(q, scale):
+    """The problem option ``scale``: K ** -0.5 when None."""
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def default_lower_bound(lower_bound):
+    """The problem option ``gate_lower_bound``: kda's default bound (kda::Problem's) when None."""
+    # (written out, not read from a module-level constant: torch.compile would trace a module-level
+    # float as a dynamic input and restart its analysis)
+    return float(-5.0 if lower_bound is None else lower_bound)
+
+
 # The problem options: what the engine validates as one problem, in the binding's order, with their
 # custom-op schema types and defaults. Every op takes all of them: the tensor ones where an op's
 # argument list says {option_tensors}, the others where it says {option_values}. A new option is one
 # line here (and its parameter in the binding); the functional layer sets it by name.
 PROBLEM_OPTIONS = (
     ("cu_seqlens", "Tensor?", None),
-    ("scale", "float", None),  # None: K ** -0.5 (problem_options)
+    ("scale", "float", None),  # None: K ** -0.5 (default_scale)
     ("state_v_first", "bool", False),
     ("qk_l2norm", "bool", False),
     ("gate", "str", "log_decay"),
-    ("gate_lower_bound", "float", -5.0),
+    ("gate_lower_bound", "float", default_lower_bound(None)),
     ("beta_mode", "str", "given"),
-    ("gate_width", "str", "per_key"),  # "per_head": the gated delta rule's g [B, T, HV]
+    ("gate_width", "str", "per_key"),  # the operator family's (kda._family): "per_key" is KDA's
 )
 
 Options = namedtuple("Options", [o[0] for o in PROBLEM_OPTIONS], defaults=[o[2] for o in PROBLEM_OPTIONS])
@@ -63,14 +76,10 @@ _OPTION_GROUPS = {
 
 
 def problem_options(q, *, scale=None, gate_lower_bound=None, **given) -> Options:
-    """The problem options of a call, as the schemas take them: ``scale`` K ** -0.5 and the gate's
-    lower bound its default (-5) when None; an option not given takes its default."""
-    # (-5.0 written out, not read from the table: torch.compile would trace a module-level float as
-    # a dynamic input and restart its analysis.)
+    """The problem options of a call, as the schemas take them: ``scale`` and the gate's lower bound
+    resolved (default_scale, default_lower_bound); an option not given takes its default."""
     return Options(
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        gate_lower_bound=float(-5.0 if gate_lower_bound is None else gate_lower_bound),
-        **given,
+        scale=default_scale(q, scale), gate_lower_bound=default_lower_bound(gate_lower_bound), **given
     )
 
 
@@ -189,11 +198,12 @@ class _Path:
         """The engine keyword arguments of the thread count (none for the single-threaded oracle)."""
         return {"num_threads": num_threads()} if self.threaded else {}
 
-    def compute_forward(self, *args):
+    def compute_forward(self, *args, problem=None):
         """Runs the engine on the forward op's arguments; returns (o, final_state or None, chunk_states
-        or None)."""
+        or None). ``problem``: the arguments' problem when the caller validated it already (prepare())."""
         a = _FORWARD.Args._make(args)
-        problem = prepare(a.q, a.v, _FORWARD.options(args))
+        if problem is None:
+            problem = prepare(a.q, a.v, _FORWARD.options(args))
         sd = self.state_dtype
         o = _new_like(a.v)
         final = chunks = None
@@ -379,11 +389,12 @@ PATHS = {
 CHUNK_SIZE = _engine.CHUNK_SIZE
 
 
-def engine_forward(path, *, options, **named):
+def engine_forward(path, *, options, problem=None, **named):
     """A path's forward implementation, called directly (not an op: nothing is recorded), with the
     forward op's arguments by name and the problem options as an ``Options``; returns (o, final_state
-    or None, chunk_states or None)."""
-    return PATHS[path].compute_forward(*_FORWARD.Args(**named, **options._asdict()))
+    or None, chunk_states or None). ``problem``: those options' prepared problem, when the caller has
+    it (the call is then validated once)."""
+    return PATHS[path].compute_forward(*_FORWARD.Args(**named, **options._asdict()), problem=problem)
 
 
 def engine_backward(path, *, options, **named):

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from . import _engine as engine
+from ._family import FAMILIES
 
 FORWARD_LIMIT = 2e-6  # harness/definitions.txt: tolerance forward f32
 BACKWARD_LIMIT = 1e-5  # harness/definitions.txt: tolerance backward f32
@@ -29,9 +30,10 @@ def _log_sigmoid(x):
 
 
 def _inputs(rng, family, regime, B, T, H, HV, K, V):
-    """fp32 inputs of one case (the distributions of harness/definitions.txt, drawn with NumPy)."""
-    G = K if family == "per_key" else 1
-    gshape = (B, T, HV, G) if family == "per_key" else (B, T, HV)
+    """fp32 inputs of one case of the family (kda._family; the distributions of
+    harness/definitions.txt, drawn with NumPy)."""
+    gshape = family.gate_shape(B, T, HV, K, V)
+    G = family.dt_bias_size(HV, K, V) // HV
     f32 = np.float32
     q = rng.standard_normal((B, T, H, K)).astype(f32)
     k = rng.standard_normal((B, T, H, K))
@@ -67,7 +69,7 @@ def _case(rng, family, regime, T, threads, varlen=False):
     x, state, fused = _inputs(rng, family, regime, B, T, H, HV, K, V)
     cu = np.array([0, T // 3, T // 3, T], np.int64) if varlen else None
     gate = "softplus" if fused else "log_decay"
-    problem = engine.prepare(x["q"], x["v"], cu_seqlens=cu, gate=gate, gate_width=family)
+    problem = engine.prepare(x["q"], x["v"], cu_seqlens=cu, gate=gate, gate_width=family.gate_width)
     n = problem.num_sequences
     h0 = np.ascontiguousarray(np.resize(state, (n, *state.shape[1:])))
     wide = {name: a.astype(np.float64) for name, a in x.items()}
@@ -135,14 +137,15 @@ def main(argv=None) -> int:
     )
     rng = np.random.default_rng(0)
     failed = 0
-    cases = [(fam, reg, False) for fam in ("per_key", "per_head") for reg in REGIMES]
-    cases += [(fam, "unbounded", True) for fam in ("per_key", "per_head")]
+    families = [f for f in FAMILIES if f.kernels]
+    cases = [(fam, reg, False) for fam in families for reg in REGIMES]
+    cases += [(fam, "unbounded", True) for fam in families]
     for family, regime, varlen in cases:
         errors = _case(rng, family, regime, args.T, args.threads, varlen)
         bad = [path for path, (err, limit) in errors.items() if not err <= limit]
         failed += bool(bad)
         cells = "  ".join(f"{path} {err:.1e}" for path, (err, _) in errors.items())
-        name = f"{'KDA' if family == 'per_key' else 'GDN'} {regime}{' varlen' if varlen else ''}"
+        name = f"{family.name} {regime}{' varlen' if varlen else ''}"
         print(f"{'FAIL' if bad else 'ok  '}  {name:<20} {cells}")
     print(f"kda.check: {len(cases) - failed} of {len(cases)} cases within their limits")
     return 1 if failed else 0

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops
+from ._arguments import check_tensors
 
 __all__ = ["CPContext", "FLACPContext", "build_cp_context", "profile"]
 
@@ -367,9 +368,10 @@ class Call:
 
     # -- checks every rank makes of its own arguments
 
-    def begin(self, check, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias):
-        """fla's CP restrictions and the context's agreement with this rank's arguments; returns the
-        rank-local offsets (which replace cu_seqlens, as in fla)."""
+    def begin(self, family, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias):
+        """fla's CP restrictions and the context's agreement with this rank's arguments (a call of the
+        operator family ``family``, kda._family); returns the rank-local offsets (which replace
+        cu_seqlens, as in fla)."""
         c = self.context
         if q.dim() == 4 and q.shape[0] != 1:
             raise _error(
@@ -411,7 +413,7 @@ class Call:
                     "kda: argument 'cu_seqlens': differs from the offsets cp_context was built for (pass "
                     "none with cp_context: the context's rank-local offsets are used)",
                 )
-        check(q, k, v, g, beta, None, c.cu_seqlens, A_log, dt_bias)
+        check_tensors(family, q, k, v, g, beta, None, c.cu_seqlens, A_log, dt_bias)
         if q.shape[1] != c.end - c.start:
             raise _error(
                 ValueError,
@@ -626,6 +628,7 @@ class _Parallel(torch.autograd.Function):
                 dt_bias=dt_bias,
                 initial_state=h0,
                 options=plan.options,
+                problem=plan.problem,  # validated once, in Call.forward
                 output_final_state=False,
                 keep_chunk_states=keep,
             )

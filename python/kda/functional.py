@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 from . import _ops
 from . import cp as _cp
-from ._arguments import RECURRENT_KWARGS, check_tensors, gate_mode, reject_unknown, state_v_first_of
-from ._compute import chunk_path, problem_of, run
+from ._arguments import RECURRENT_KWARGS, gate_mode, reject_unknown, state_v_first_of
+from ._call import Call, problem_of
+from ._compute import chunk_path, run
+from ._family import KDA
 from .serving import fused_recurrent_kda_fwd, pooled_prefill
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fused_kda_gate"]
@@ -161,9 +163,11 @@ def chunk_kda(
                 "kda: cp_context does not take a state pool (ssm_state_indices) or return_intermediate_states"
             )
         cu_seqlens = cp_context.begin(
-            check_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
+            KDA, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
     problem = problem_of(
+        KDA,
+        q,
         cu_seqlens,
         scale,
         state_v_first,
@@ -173,24 +177,32 @@ def chunk_kda(
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )
-
-    path = chunk_path(kwargs, pooled, cp_context)
+    call = Call(
+        KDA,
+        "chunk_kda",
+        chunk_path(kwargs, pooled, cp_context),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        initial_state,
+        problem,
+        output_final_state,
+        q.dtype,
+        want_chunk_states=return_intermediate_states,
+        cp=cp_context,
+    )
     if pooled:
         if return_intermediate_states:
             raise NotImplementedError("kda: return_intermediate_states is not available with a state pool")
-        return pooled_prefill(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state,
+        call.indices, call.has_initial_state = (
             kwargs.get("ssm_state_indices"),
             kwargs.get("has_initial_state"),
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
         )
+        return pooled_prefill(call)
 
     if return_intermediate_states:
         if chunk_size != 64:
@@ -205,22 +217,7 @@ def chunk_kda(
             )
 
     h_dtype = k.dtype
-    o, final, chunks = run(
-        path,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        problem,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        out_dtype=q.dtype,
-        want_chunk_states=return_intermediate_states,
-        cp=cp_context,
-    )
+    o, final, chunks = run(call)
     if not return_intermediate_states:
         return o, final
     batch = q.shape[0]
@@ -261,6 +258,8 @@ def fused_recurrent_kda(
     if gate == "log_decay":
         A_log = dt_bias = None
     problem = problem_of(
+        KDA,
+        q,
         cu_seqlens,
         scale,
         state_v_first,
@@ -270,21 +269,23 @@ def fused_recurrent_kda(
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )
-    o, final, _ = run(
+    call = Call(
+        KDA,
+        "fused_recurrent_kda",
         "recurrent",
         q,
         k,
         v,
         g,
         beta,
+        A_log,
+        dt_bias,
+        initial_state,
         problem,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        out_dtype=v.dtype,
+        output_final_state,
+        v.dtype,
     )
-    return o, final
+    return run(call)[:2]
 
 
 def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32):

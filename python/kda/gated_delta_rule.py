@@ -2,7 +2,8 @@
 
 The gated delta rule is KDA with one log decay per token and value head (``g [B, T, HV]``) instead of
 one per key channel: the state decays as a whole. kda computes it as a problem of its own (the
-problem option ``gate_width="per_head"``), with kernels for the scalar gate, forward and backward.
+family ``kda._family.GDN``, the problem option ``gate_width="per_head"``), with kernels for the
+scalar gate, forward and backward.
 
 ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` take the arguments of fla-core
 0.6.0's functions of the same names, with the same defaults, returns and exception types where fla
@@ -11,8 +12,9 @@ checks; both are differentiable (fla's recurrent one is forward only), through t
 ``chunk_gdn`` and ``fused_recurrent_gdn`` are the short names fla exports too.
 
 ``fused_recurrent_gated_delta_rule`` also takes fla's other gates: ``gk [B, T, HV, K]`` (a decay per
-key channel) is KDA's gate and runs on kda's KDA path; ``gv`` (a decay per value channel) is not
-supported. dtypes, devices, copies and threads are as for ``kda.functional`` (docs/python.md).
+key channel) is KDA's gate and runs on kda's KDA path; ``gv`` (a decay per value channel) is
+computed by kda's float64 oracle only. dtypes, devices, copies and threads are as for
+``kda.functional`` (docs/python.md).
 """
 
 import torch
@@ -20,14 +22,15 @@ import torch
 from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
-    check_gdn_tensors,
     check_key_gate,
     gate_mode,
     positional_beta_hint,
     reject_unknown,
     state_v_first_of,
 )
-from ._compute import chunk_path, problem_of, run
+from ._call import Call, problem_of
+from ._compute import chunk_path, run
+from ._family import GDN, GV
 from .functional import fused_recurrent_kda
 from .serving import pooled_prefill
 
@@ -116,13 +119,16 @@ def chunk_gated_delta_rule(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "chunk_gated_delta_rule")
     if gate == "log_decay":
         A_log = dt_bias = None
+    pooled = "ssm_state_indices" in kwargs or "has_initial_state" in kwargs
     if cp_context is not None:
-        if "ssm_state_indices" in kwargs or "has_initial_state" in kwargs:
+        if pooled:
             raise NotImplementedError("kda: cp_context does not take a state pool (ssm_state_indices)")
         cu_seqlens = cp_context.begin(
-            check_gdn_tensors, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
+            GDN, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
     problem = problem_of(
+        GDN,
+        q,
         cu_seqlens,
         scale,
         state_v_first,
@@ -131,40 +137,31 @@ def chunk_gated_delta_rule(
         None,
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
-        gate_width="per_head",
     )
-    pooled = "ssm_state_indices" in kwargs or "has_initial_state" in kwargs
-    path = chunk_path(kwargs, pooled, cp_context)
-    if pooled:
-        return pooled_prefill(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state,
-            kwargs.get("ssm_state_indices"),
-            kwargs.get("has_initial_state"),
-            problem,
-            A_log=A_log,
-            dt_bias=dt_bias,
-        )
-    o, final, _ = run(
-        path,
+    call = Call(
+        GDN,
+        "chunk_gated_delta_rule",
+        chunk_path(kwargs, pooled, cp_context),
         q,
         k,
         v,
         g,
         beta,
+        A_log,
+        dt_bias,
+        initial_state,
         problem,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        out_dtype=q.dtype,
+        output_final_state,
+        q.dtype,
         cp=cp_context,
     )
-    return o, final
+    if pooled:
+        call.indices, call.has_initial_state = (
+            kwargs.get("ssm_state_indices"),
+            kwargs.get("has_initial_state"),
+        )
+        return pooled_prefill(call)
+    return run(call)[:2]
 
 
 def fused_recurrent_gated_delta_rule(
@@ -200,21 +197,23 @@ def fused_recurrent_gated_delta_rule(
     - ``gk [B, T, HV, K]``: one log decay per key channel, KDA's gate: the call is
       ``kda.fused_recurrent_kda`` (the fused gate applies to ``g`` only, as in fla: ``gk`` with
       ``use_gate_in_kernel`` needs ``g``, which kda does not take together with ``gk``);
-    - neither: no decay (the plain delta rule).
+    - ``gv [B, T, HV, V]``: one log decay per value channel (the family ``kda._family.GV``): the
+      state's columns decay. float64 inputs run on kda's float64 oracle (forward only); kda's
+      kernels do not compute it yet (``NotImplementedError``);
+    - none: no decay (the plain delta rule).
 
-    ``gk`` of another shape or rank: ``ValueError`` naming it. ``g`` and ``gk`` together:
-    ``ValueError``; ``gv`` (a decay per value channel):
-    ``NotImplementedError``. ``beta`` defaults to ones (no ``beta`` means a full update).
+    ``gk`` or ``gv`` of another shape or rank: ``ValueError`` naming it. ``g`` and ``gk`` together:
+    ``ValueError``; ``gv`` with another gate: ``NotImplementedError``. ``beta`` defaults to ones (no ``beta`` means a full update).
     ``initial_state`` of another float dtype is read as float32. Returns ``(o, final_state)``: ``o``
     in v's dtype, ``final_state`` float32 or None. Only ``transpose_state_layout`` is accepted through
     ``**kwargs``.
     """
     reject_unknown("fused_recurrent_gated_delta_rule", kwargs, RECURRENT_KWARGS)
     state_v_first = state_v_first_of(state_v_first, kwargs)
-    if gv is not None:
+    if gv is not None and (g is not None or gk is not None):
         raise NotImplementedError(
-            "kda: 'gv' (a decay per value channel) is not supported; pass g [B, T, HV] (per head) or "
-            "gk [B, T, HV, K] (per key channel)"
+            "kda: 'gv' (a decay per value channel) together with another gate is not supported; pass one "
+            "gate: g [B, T, HV], gk [B, T, HV, K] or gv [B, T, HV, V]"
         )
     if use_gate_in_kernel:
         if A_log is None:
@@ -251,9 +250,14 @@ def fused_recurrent_gated_delta_rule(
             state_v_first=state_v_first,
             cu_seqlens=cu_seqlens,
         )
-    if g is None:  # no decay
+    family = GDN
+    if gv is not None:  # a decay per value channel (fla applies A_log / dt_bias to g only)
+        family, g = GV, gv
+    elif g is None:  # no decay
         g = torch.zeros(v.shape[:3], dtype=v.dtype if v.dtype.is_floating_point else torch.float32)
     problem = problem_of(
+        family,
+        q,
         cu_seqlens,
         scale,
         state_v_first,
@@ -262,23 +266,24 @@ def fused_recurrent_gated_delta_rule(
         None,
         use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
-        gate_width="per_head",
     )
-    o, final, _ = run(
+    call = Call(
+        family,
+        "fused_recurrent_gated_delta_rule",
         "recurrent",
         q,
         k,
         v,
         g,
         beta,
+        A_log,
+        dt_bias,
+        initial_state,
         problem,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        out_dtype=v.dtype,
+        output_final_state,
+        v.dtype,
     )
-    return o, final
+    return run(call)[:2]
 
 
 # fla's short names.

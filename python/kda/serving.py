@@ -16,17 +16,19 @@ from ._arguments import (
     DEVICE_CHECKED,
     NAMES,
     RECURRENT_KWARGS,
-    beta_mode_of,
     check_cpu,
     check_shapes,
     check_types,
     check_varlen,
+    fla_errors,
     gate_mode,
     prepare_activations,
     reject_unknown,
     side_f32,
     state_v_first_of,
 )
+from ._call import Call, problem_of
+from ._family import GDN, KDA
 
 __all__ = ["fused_recurrent_gdn_fwd", "fused_recurrent_kda_fwd", "pooled_prefill"]
 
@@ -44,36 +46,24 @@ def _serving_plain(function, tensors):
     return plain
 
 
-def _serving_checks(
-    function,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    initial_state,
-    cu_seqlens,
-    indices=(None, None),
-    gate_width="per_key",
-):
-    """fla-style checks of a serving call (run as _arguments.fla_errors runs them: after the engine
-    refused the call). ``gate_width``: the call's problem option ("per_head": the gated delta rule's
-    g [B, T, HV])."""
-    tensors = (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+def _serving_checks(call):
+    """fla-style checks of a serving call (a ``_call.Call``; run as _arguments.fla_errors runs them:
+    after the engine refused the call)."""
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    cu_seqlens = call.problem.cu_seqlens
+    tensors = (q, k, v, g, beta, call.initial_state, cu_seqlens, call.A_log, call.dt_bias)
     check_types(DEVICE_CHECKED, tensors, len(NAMES))
     check_cpu(DEVICE_CHECKED, tensors)
     check_varlen(q, None, cu_seqlens)
-    check_shapes(q, k, v, g, beta, gate_width)
-    for name, t in zip(("ssm_state_indices", "num_accepted_tokens"), indices, strict=True):
+    check_shapes(q, k, v, g, beta, call.family)
+    for name, t in (("ssm_state_indices", call.indices), ("num_accepted_tokens", call.num_accepted_tokens)):
         _index_tensor(name, t)
     acts = (q, k, v, g, beta)
     for name, t in zip(NAMES, acts, strict=True):
         if not t.is_floating_point():
             raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
     if any(t.dtype == torch.float64 for t in acts):  # checked on the dtypes: no cast is made here
-        raise TypeError(f"kda: {function} computes in float32 / bfloat16; got float64 inputs")
+        raise TypeError(f"kda: {call.function} computes in float32 / bfloat16; got float64 inputs")
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -93,61 +83,53 @@ def _index_tensor(name, t):
 # ---- the pooled prefill (chunk_kda with ssm_state_indices) -----------------------------------------
 
 
-def pooled_prefill(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    pool,
-    indices,
-    has_initial_state,
-    problem,
-    *,
-    A_log,
-    dt_bias,
-    path="chunk",
-):
-    """chunk_kda (or, with the problem's gate width "per_head", chunk_gated_delta_rule) on a state
-    pool, once its options are resolved (``problem``: the problem options by name, see
-    ``_ops.problem_options``): sequence n starts from slot ``indices[n]`` (zeros where
-    ``has_initial_state[n]`` is False or the index is negative) and its final state is written back
-    there. Returns (o, pool)."""
-    gate_width = problem["gate_width"]
-    function = "chunk_gated_delta_rule (pooled)" if gate_width == "per_head" else "chunk_kda (pooled)"
+def pooled_prefill(call):
+    """The chunked call of a family (chunk_kda, chunk_gated_delta_rule: a ``_call.Call``) on a state
+    pool, ``call.initial_state``: sequence n starts from slot ``call.indices[n]`` (zeros where
+    ``call.has_initial_state[n]`` is False or the index is negative) and its final state is written
+    back there. Returns (o, pool). fla's checks run as for the decode: only when the engine refused
+    the call."""
+    pool, indices, has_initial_state = call.initial_state, call.indices, call.has_initial_state
+    function = call.function = f"{call.function} (pooled)"
     if pool is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
     if indices is None:
         raise ValueError("kda: has_initial_state needs ssm_state_indices (the pool slot of every sequence)")
-    out_dtype = q.dtype
-    cu_seqlens = problem.get("cu_seqlens")
-    _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, pool))
-    _serving_checks(function, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, gate_width=gate_width)
-    options = _ops.problem_options(q, **problem)
-    q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
-    if options.gate == "lower_bound" and A_log is None:
-        A_log = torch.zeros(v.shape[2])
-    flags = None
-    if has_initial_state is not None:
-        flags = (
-            has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.to(torch.uint8)
+    q, k, v, g, beta, A_log, dt_bias = call.q, call.k, call.v, call.g, call.beta, call.A_log, call.dt_bias
+    out_dtype = call.out_dtype
+    try:
+        _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, pool))
+    except AttributeError:  # an argument that is not a tensor: the checks name it
+        _serving_checks(call)
+        raise
+    with fla_errors(_serving_checks, call):
+        options = call.problem
+        q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
+        if options.gate == "lower_bound" and A_log is None:
+            A_log = torch.zeros(v.shape[2])
+        flags = None
+        if has_initial_state is not None:
+            flags = (
+                has_initial_state
+                if has_initial_state.dtype == torch.bool
+                else has_initial_state.to(torch.uint8)
+            )
+        _, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, pool, indices, options.cu_seqlens))
+        o = _ops.pooled_forward(
+            call.path,
+            plain,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            side_f32(A_log, "A_log"),
+            side_f32(dt_bias, "dt_bias"),
+            pool,
+            _index_tensor("ssm_state_indices", indices),
+            flags,
+            *options,
         )
-    _, plain = _ops.inspect_inputs((q, k, v, g, beta, A_log, dt_bias, pool, indices, options.cu_seqlens))
-    o = _ops.pooled_forward(
-        path,
-        plain,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        side_f32(A_log, "A_log"),
-        side_f32(dt_bias, "dt_bias"),
-        pool,
-        _index_tensor("ssm_state_indices", indices),
-        flags,
-        *options,
-    )
     return (o if o.dtype == out_dtype else o.to(out_dtype)), pool
 
 
@@ -207,30 +189,31 @@ def fused_recurrent_kda_fwd(
     final_state)``: the pool (or the updated ``initial_state``) in place, else the new states or None.
     """
     reject_unknown("fused_recurrent_kda_fwd", kwargs, RECURRENT_KWARGS)
-    return _serve(
-        "fused_recurrent_kda_fwd",
-        gate_width="per_key",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        scale=scale,
-        output_final_state=output_final_state,
-        inplace_final_state=inplace_final_state,
-        state_v_first=state_v_first_of(state_v_first, kwargs),
-        cu_seqlens=cu_seqlens,
-        ssm_state_indices=ssm_state_indices,
-        num_accepted_tokens=num_accepted_tokens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound,
-        out=out,
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda_fwd")
+    options = (scale, state_v_first_of(state_v_first, kwargs), use_qk_l2norm_in_kernel, gate, lower_bound)
+    return decode(
+        Call(
+            KDA,
+            "fused_recurrent_kda_fwd",
+            "recurrent",
+            q,
+            k,
+            v,
+            g,
+            beta,
+            *(None, None) if gate == "log_decay" else (A_log, dt_bias),
+            initial_state,
+            problem_of(KDA, q, cu_seqlens, *options, use_beta_sigmoid_in_kernel, allow_neg_eigval),
+            output_final_state,
+            None,  # v's dtype
+            False,
+            None,
+            ssm_state_indices,
+            None,
+            num_accepted_tokens,
+            inplace_final_state,
+            out,
+        )
     )
 
 
@@ -267,155 +250,87 @@ def fused_recurrent_gdn_fwd(
     dt_bias)`` with ``A_log [HV]`` and ``dt_bias [HV]``; there is no ``lower_bound`` gate.
     """
     reject_unknown("fused_recurrent_gdn_fwd", kwargs, RECURRENT_KWARGS)
-    return _serve(
-        "fused_recurrent_gdn_fwd",
-        gate_width="per_head",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        scale=scale,
-        output_final_state=output_final_state,
-        inplace_final_state=inplace_final_state,
-        state_v_first=state_v_first_of(state_v_first, kwargs),
-        cu_seqlens=cu_seqlens,
-        ssm_state_indices=ssm_state_indices,
-        num_accepted_tokens=num_accepted_tokens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        lower_bound=None,
-        out=out,
+    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "fused_recurrent_gdn_fwd")
+    options = (scale, state_v_first_of(state_v_first, kwargs), use_qk_l2norm_in_kernel, gate, None)
+    return decode(
+        Call(
+            GDN,
+            "fused_recurrent_gdn_fwd",
+            "recurrent",
+            q,
+            k,
+            v,
+            g,
+            beta,
+            *(None, None) if gate == "log_decay" else (A_log, dt_bias),
+            initial_state,
+            problem_of(GDN, q, cu_seqlens, *options, use_beta_sigmoid_in_kernel, allow_neg_eigval),
+            output_final_state,
+            None,  # v's dtype
+            False,
+            None,
+            ssm_state_indices,
+            None,
+            num_accepted_tokens,
+            inplace_final_state,
+            out,
+        )
     )
 
 
-def _serve(
-    function,
-    *,
-    gate_width,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    initial_state,
-    scale,
-    output_final_state,
-    inplace_final_state,
-    state_v_first,
-    cu_seqlens,
-    ssm_state_indices,
-    num_accepted_tokens,
-    use_qk_l2norm_in_kernel,
-    use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel,
-    allow_neg_eigval,
-    lower_bound,
-    out,
-):
-    """The serving decode of both gate widths (the problem option ``gate_width``: "per_key", KDA's
-    g [B, T, HV, K], or "per_head", the gated delta rule's g [B, T, HV])."""
-    # (stacklevel 4: the public entry stands between _serve and its caller)
-    gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, function, stacklevel=4)
-    if gate == "log_decay":
-        A_log = dt_bias = None
-    beta_mode = beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if num_accepted_tokens is not None and ssm_state_indices is None:
+def decode(call):
+    """The serving decode of every family with a decode kernel (fused_recurrent_kda_fwd,
+    fused_recurrent_gdn_fwd): ``call`` is their ``_call.Call``."""
+    if call.num_accepted_tokens is not None and call.indices is None:
         raise ValueError("kda: num_accepted_tokens needs ssm_state_indices (speculative decoding on a pool)")
-    if ssm_state_indices is not None and initial_state is None:
+    if call.indices is not None and call.initial_state is None:
         raise ValueError("kda: ssm_state_indices needs the state pool as initial_state")
-    # What fla's checks read (a tuple, not a closure: cells would cost a decode step 0.3 us).
-    checked = (
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        cu_seqlens,
-        (ssm_state_indices, num_accepted_tokens),
-        gate_width,
-    )
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     try:
-        plain = _serving_plain(function, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out))
+        plain = _serving_plain(
+            call.function,
+            (
+                q,
+                k,
+                v,
+                g,
+                beta,
+                call.A_log,
+                call.dt_bias,
+                call.initial_state,
+                call.problem.cu_seqlens,
+                call.out,
+            ),
+        )
     except AttributeError:  # an argument that is not a tensor: the checks name it
-        _serving_checks(function, *checked)
+        _serving_checks(call)
         raise
 
     # The engine validates every argument before it writes anything; fla's checks run only when it
     # refused the call (they would cost as much as the rest of a decode step's Python layer), or first
     # when torch.compile traces (_arguments.fla_errors, spelled out: this is the decode step).
     if torch.compiler.is_compiling():
-        _serving_checks(function, *checked)
+        _serving_checks(call)
     try:
-        return _decode(
-            plain,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            # (_ops.problem_options' two defaults, spelled out: its keyword pass-through would cost
-            # a decode step 0.7 us)
-            _ops.Options(
-                cu_seqlens=cu_seqlens,
-                scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-                state_v_first=bool(state_v_first),
-                qk_l2norm=bool(use_qk_l2norm_in_kernel),
-                gate=gate,
-                gate_lower_bound=float(-5.0 if lower_bound is None else lower_bound),
-                beta_mode=beta_mode,
-                gate_width=gate_width,  # the engine refuses a g of the other width's rank
-            ),
-            A_log,
-            dt_bias,
-            initial_state,
-            output_final_state,
-            inplace_final_state,
-            ssm_state_indices,
-            num_accepted_tokens,
-            out,
-        )
+        return _decode(plain, call)
     except Exception as engine_error:  # re-raised below when the checks pass
         error = engine_error
-    _serving_checks(function, *checked)
+    _serving_checks(call)
     raise error
 
 
-def _decode(
-    plain,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    options,
-    A_log,
-    dt_bias,
-    initial_state,
-    output_final_state,
-    inplace_final_state,
-    ssm_state_indices,
-    num_accepted_tokens,
-    out,
-):
-    """The serving decode (fused_recurrent_kda_fwd, fused_recurrent_gdn_fwd) once its options are resolved
-    (``options``: the call's _ops.Options, the gate width among them)."""
+def _decode(plain, call):
+    """The serving decode of ``call`` once it is resolved (its problem options hold the family's gate
+    width)."""
+    q, k, v, g, beta, A_log, dt_bias = call.q, call.k, call.v, call.g, call.beta, call.A_log, call.dt_bias
+    options, initial_state, out = call.problem, call.initial_state, call.out
+    ssm_state_indices, inplace_final_state = call.indices, call.inplace_final_state
     out_dtype = v.dtype
     (q, k, v, g, beta), state_dtype = prepare_activations(q, k, v, g, beta)
     if state_dtype == torch.float64:
         raise TypeError("kda: the serving decode computes in float32 / bfloat16; got float64 inputs")
     indices = _index_tensor("ssm_state_indices", ssm_state_indices)
-    accepted = _index_tensor("num_accepted_tokens", num_accepted_tokens)
+    accepted = _index_tensor("num_accepted_tokens", call.num_accepted_tokens)
     N = None  # the number of requests, needed unless a pool is updated in place (a decode step)
     if indices is None or not inplace_final_state:
         N = v.shape[0] if options.cu_seqlens is None else options.cu_seqlens.shape[0] - 1
@@ -426,17 +341,17 @@ def _decode(
             K = q.shape[-1]
             state = (HV, V, K) if options.state_v_first else (HV, K, V)
             # No state to update in place: the final state comes back only when asked for.
-            pool, returned = torch.zeros((N, *state)), output_final_state
+            pool, returned = torch.zeros((N, *state)), call.output_final_state
         elif inplace_final_state:
             pool, returned = initial_state, True
         else:
-            pool, returned = initial_state.clone(), output_final_state
+            pool, returned = initial_state.clone(), call.output_final_state
         indices = torch.arange(N)
     elif inplace_final_state:
         pool, returned = initial_state, True
     else:  # the pool stays as it is: the starting states are gathered into a pool of N slots
         pool, indices = _gather_starting_states(initial_state, indices, accepted, N)
-        accepted, returned = None, output_final_state
+        accepted, returned = None, call.output_final_state
 
     o = None  # the engine's output buffer: out itself when it is of the compute dtype
     if out is not None:

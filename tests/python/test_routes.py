@@ -261,6 +261,81 @@ def test_one_problem_validation_per_engine_call(monkeypatch, fast):
     assert n == 1
 
 
+_FAMILY_FUNCTIONS = {
+    "per_key": (kda.chunk_kda, kda.fused_recurrent_kda_fwd),
+    "per_head": (kda.chunk_gated_delta_rule, kda.fused_recurrent_gdn_fwd),
+}
+
+
+@pytest.mark.parametrize("width", sorted(_FAMILY_FUNCTIONS))
+def test_one_validation_per_call_of_every_family(monkeypatch, tmp_path, width):
+    """One problem validation per engine call, for each family: the chunked forward (no gradient,
+    and recording one) and its backward, the pooled prefill, the decode, and a one-rank
+    context-parallel call forward and backward. fla's Python checks run on none of these valid calls
+    (they run only when the engine refuses one), but once on a context-parallel call, whose ranks
+    must all learn of a bad argument before the first collective."""
+    import torch.distributed as dist
+    from kda import _arguments
+
+    chunked, decode = _FAMILY_FUNCTIONS[width]
+    checks = []
+    real_checks = _arguments.check_shapes
+    monkeypatch.setattr(_arguments, "check_shapes", lambda *a: checks.append(1) or real_checks(*a))
+    # (the modules that imported check_shapes by name)
+    import kda.serving
+
+    monkeypatch.setattr(kda.serving, "check_shapes", _arguments.check_shapes)
+    case = Case(T=100, cu_seqlens=[0, 30, 100], regime="unbounded", K=16, V=16, gate_width=width, **KIMI)
+    tensors, options = make_inputs(case)
+    h0 = options.pop("initial_state")
+    with torch.no_grad():
+        assert (
+            _validations(lambda: chunked(**tensors, initial_state=h0, output_final_state=True, **options))[0]
+            == 1
+        )
+    grad = {name: t.clone().requires_grad_() for name, t in tensors.items()}
+    n, (o, final) = _validations(
+        lambda: chunked(**grad, initial_state=h0, output_final_state=True, **options)
+    )
+    assert n == 1
+    assert _validations(lambda: (o.sum() + final.sum()).backward())[0] == 1
+
+    pool = _pool_of(case, 5, h0, [3, 1], torch.float32)
+    with torch.inference_mode():
+        n, _ = _validations(
+            lambda: chunked(**tensors, initial_state=pool, ssm_state_indices=torch.tensor([3, 1]), **options)
+        )
+    assert n == 1
+
+    decode_case = Case(B=3, T=1, H=1, HV=2, K=16, V=16, regime="unbounded", gate_width=width, **KIMI)
+    d_tensors, d_options = make_inputs(decode_case)
+    d_pool = d_options.pop("initial_state")
+    d_options.pop("cu_seqlens", None)
+    with torch.inference_mode():
+        n, _ = _validations(
+            lambda: decode(
+                **d_tensors, initial_state=d_pool, ssm_state_indices=torch.tensor([2, 0, 1]), **d_options
+            )
+        )
+    assert n == 1
+    assert checks == []
+
+    # A one-rank context-parallel call: the status exchange, one local forward, one local backward.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        from kda.cp import build_cp_context
+
+        ctx = build_cp_context(torch.tensor(case.cu_seqlens))
+        cp_options = {k: v for k, v in options.items() if k != "cu_seqlens"}
+        grad = {name: t.clone().requires_grad_() for name, t in tensors.items()}
+        n, (o, _) = _validations(lambda: chunked(**grad, cp_context=ctx, **cp_options))
+        assert n == 1
+        assert _validations(lambda: o.sum().backward())[0] == 1
+    finally:
+        dist.destroy_process_group()
+    assert checks == [1]
+
+
 @pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
 def test_a_per_head_gate_reaches_the_engine(path):
     """A 3-D g [B, T, HV] with the problem option gate_width="per_head" is the gated delta rule's
