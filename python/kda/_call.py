@@ -12,56 +12,42 @@ from ._ops import Options, default_lower_bound, default_scale
 __all__ = ["Call", "problem_of"]
 
 
-def problem_of(
-    family, q, cu_seqlens, scale, state_v_first, qk_l2norm, gate, lower_bound, beta_sigmoid, neg_eigval
-):
-    """The problem options (an ``_ops.Options``) of fla's flags, for a call of ``family`` (positional:
-    this is on every decode step)."""
+def problem_of(family, q, cu_seqlens, gate, lower_bound, flags):
+    """The problem options (an ``_ops.Options``) of a call of ``family``: its offsets, its gate mode
+    and bound (``_arguments.gate_mode``) and fla's other flags, ``flags`` = (scale, state_v_first,
+    use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval). Positional: this is on
+    every decode step."""
+    scale, state_v_first, qk_l2norm, beta_sigmoid, neg_eigval = flags
     try:
         scale = default_scale(q, scale)
     except (AttributeError, IndexError, TypeError):
         pass  # q is no tensor of a head dimension: fla's checks name it when the engine refuses it
+    beta_mode = beta_mode_of(beta_sigmoid, neg_eigval)
+    lower_bound = default_lower_bound(lower_bound)
     return Options(
         cu_seqlens,
         scale,
         bool(state_v_first),
         bool(qk_l2norm),
         gate,
-        default_lower_bound(lower_bound),
-        beta_mode_of(beta_sigmoid, neg_eigval),
+        lower_bound,
+        beta_mode,
         family.gate_width,
     )
 
 
 class Call:
-    """A public call, resolved: the family, the function's name (for messages), the tensors, the
-    problem options (an ``_ops.Options``, ``problem_of``), and what the call asks for. ``path``: "chunk",
-    "chunk_bf16" or "recurrent". Serving calls also carry their pool's parts: ``indices`` (the pool
-    slots; ``ssm_state_indices``), ``has_initial_state`` (pooled prefill), ``num_accepted_tokens``,
-    ``inplace_final_state`` and ``out`` (decode); ``cp`` is a context-parallel call (kda.cp.Call)."""
+    """A public call, resolved: the family, the function's name (for messages), the path ("chunk",
+    "chunk_bf16" or "recurrent"), the tensors (q, k, v, g, beta, A_log, dt_bias, initial_state: the
+    ``tensors`` tuple), the problem options (an ``_ops.Options``, ``problem_of``), and what the call
+    asks for. ``cp`` is a context-parallel call (kda.cp.Call). Serving calls carry their pool's parts:
+    ``indices`` (the pool slots, ``ssm_state_indices``) and ``has_initial_state`` (pooled prefill,
+    set by the caller), or ``serving`` = (indices, num_accepted_tokens, inplace_final_state, out)
+    (decode)."""
 
-    __slots__ = (
-        "family",
-        "function",
-        "path",
-        "q",
-        "k",
-        "v",
-        "g",
-        "beta",
-        "A_log",
-        "dt_bias",
-        "initial_state",
-        "problem",
-        "output_final_state",
-        "out_dtype",
-        "want_chunk_states",
-        "cp",
-        "indices",
-        "has_initial_state",
-        "num_accepted_tokens",
-        "inplace_final_state",
-        "out",
+    __slots__ = tuple(
+        "family function path q k v g beta A_log dt_bias initial_state problem output_final_state out_dtype "
+        "want_chunk_states cp indices has_initial_state num_accepted_tokens inplace_final_state out".split()
     )
 
     def __init__(
@@ -69,36 +55,19 @@ class Call:
         family,
         function,
         path,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
+        tensors,
         problem,
         output_final_state,
         out_dtype,
         want_chunk_states=False,
         cp=None,
-        indices=None,
-        has_initial_state=None,
-        num_accepted_tokens=None,
-        inplace_final_state=False,
-        out=None,
+        serving=(None, None, False, None),
     ):
-        self.family, self.function, self.path = family, function, path
-        self.q, self.k, self.v, self.g, self.beta = q, k, v, g, beta
-        self.A_log, self.dt_bias, self.initial_state = A_log, dt_bias, initial_state
-        self.problem, self.output_final_state, self.out_dtype = problem, output_final_state, out_dtype
-        self.want_chunk_states, self.cp = want_chunk_states, cp
-        self.indices, self.has_initial_state = indices, has_initial_state
-        self.num_accepted_tokens, self.inplace_final_state, self.out = (
-            num_accepted_tokens,
-            inplace_final_state,
-            out,
-        )
+        self.family, self.function, self.path, self.problem = family, function, path, problem
+        self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias, self.initial_state = tensors
+        self.output_final_state, self.out_dtype = output_final_state, out_dtype
+        self.want_chunk_states, self.cp, self.has_initial_state = want_chunk_states, cp, None
+        self.indices, self.num_accepted_tokens, self.inplace_final_state, self.out = serving
 
     def checked(self):
         """What fla's tensor checks read: (family, q, k, v, g, beta, initial_state, cu_seqlens, A_log,

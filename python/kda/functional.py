@@ -165,36 +165,12 @@ def chunk_kda(
         cu_seqlens = cp_context.begin(
             KDA, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
-    problem = problem_of(
-        KDA,
-        q,
-        cu_seqlens,
-        scale,
-        state_v_first,
-        use_qk_l2norm_in_kernel,
-        gate,
-        lower_bound,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-    )
-    call = Call(
-        KDA,
-        "chunk_kda",
-        chunk_path(kwargs, pooled, cp_context),
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        problem,
-        output_final_state,
-        q.dtype,
-        want_chunk_states=return_intermediate_states,
-        cp=cp_context,
-    )
+    flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
+    path = chunk_path(kwargs, pooled, cp_context)
+    keep = return_intermediate_states
+    call = Call(KDA, "chunk_kda", path, tensors, problem, output_final_state, q.dtype, keep, cp_context)
     if pooled:
         if return_intermediate_states:
             raise NotImplementedError("kda: return_intermediate_states is not available with a state pool")
@@ -257,34 +233,10 @@ def fused_recurrent_kda(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
-    problem = problem_of(
-        KDA,
-        q,
-        cu_seqlens,
-        scale,
-        state_v_first,
-        use_qk_l2norm_in_kernel,
-        gate,
-        lower_bound,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-    )
-    call = Call(
-        KDA,
-        "fused_recurrent_kda",
-        "recurrent",
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        problem,
-        output_final_state,
-        v.dtype,
-    )
+    flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    call = Call(KDA, "fused_recurrent_kda", "recurrent", tensors, problem, output_final_state, v.dtype)
     return run(call)[:2]
 
 

@@ -126,35 +126,12 @@ def chunk_gated_delta_rule(
         cu_seqlens = cp_context.begin(
             GDN, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
         )
-    problem = problem_of(
-        GDN,
-        q,
-        cu_seqlens,
-        scale,
-        state_v_first,
-        use_qk_l2norm_in_kernel,
-        gate,
-        None,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-    )
-    call = Call(
-        GDN,
-        "chunk_gated_delta_rule",
-        chunk_path(kwargs, pooled, cp_context),
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        problem,
-        output_final_state,
-        q.dtype,
-        cp=cp_context,
-    )
+    flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    problem = problem_of(GDN, q, cu_seqlens, gate, None, flags)
+    path = chunk_path(kwargs, pooled, cp_context)
+    function = "chunk_gated_delta_rule"
+    call = Call(GDN, function, path, tensors, problem, output_final_state, q.dtype, cp=cp_context)
     if pooled:
         call.indices, call.has_initial_state = (
             kwargs.get("ssm_state_indices"),
@@ -203,7 +180,8 @@ def fused_recurrent_gated_delta_rule(
     - none: no decay (the plain delta rule).
 
     ``gk`` or ``gv`` of another shape or rank: ``ValueError`` naming it. ``g`` and ``gk`` together:
-    ``ValueError``; ``gv`` with another gate: ``NotImplementedError``. ``beta`` defaults to ones (no ``beta`` means a full update).
+    ``ValueError``; ``gv`` with another gate: ``NotImplementedError``. ``beta`` defaults to ones (no
+    ``beta`` means a full update).
     ``initial_state`` of another float dtype is read as float32. Returns ``(o, final_state)``: ``o``
     in v's dtype, ``final_state`` float32 or None. Only ``transpose_state_layout`` is accepted through
     ``**kwargs``.
@@ -255,34 +233,11 @@ def fused_recurrent_gated_delta_rule(
         family, g = GV, gv
     elif g is None:  # no decay
         g = torch.zeros(v.shape[:3], dtype=v.dtype if v.dtype.is_floating_point else torch.float32)
-    problem = problem_of(
-        family,
-        q,
-        cu_seqlens,
-        scale,
-        state_v_first,
-        use_qk_l2norm_in_kernel,
-        gate,
-        None,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-    )
-    call = Call(
-        family,
-        "fused_recurrent_gated_delta_rule",
-        "recurrent",
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-        problem,
-        output_final_state,
-        v.dtype,
-    )
+    flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    problem = problem_of(family, q, cu_seqlens, gate, None, flags)
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    function = "fused_recurrent_gated_delta_rule"
+    call = Call(family, function, "recurrent", tensors, problem, output_final_state, v.dtype)
     return run(call)[:2]
 
 

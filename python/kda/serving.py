@@ -190,31 +190,15 @@ def fused_recurrent_kda_fwd(
     """
     reject_unknown("fused_recurrent_kda_fwd", kwargs, RECURRENT_KWARGS)
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, "fused_recurrent_kda_fwd")
-    options = (scale, state_v_first_of(state_v_first, kwargs), use_qk_l2norm_in_kernel, gate, lower_bound)
-    return decode(
-        Call(
-            KDA,
-            "fused_recurrent_kda_fwd",
-            "recurrent",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            *(None, None) if gate == "log_decay" else (A_log, dt_bias),
-            initial_state,
-            problem_of(KDA, q, cu_seqlens, *options, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-            output_final_state,
-            None,  # v's dtype
-            False,
-            None,
-            ssm_state_indices,
-            None,
-            num_accepted_tokens,
-            inplace_final_state,
-            out,
-        )
+    state_v_first = state_v_first_of(state_v_first, kwargs)
+    flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    tensors = (q, k, v, g, beta, *((None, None) if gate == "log_decay" else (A_log, dt_bias)), initial_state)
+    problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
+    pool = (ssm_state_indices, num_accepted_tokens, inplace_final_state, out)
+    call = Call(
+        KDA, "fused_recurrent_kda_fwd", "recurrent", tensors, problem, output_final_state, None, serving=pool
     )
+    return decode(call)
 
 
 def fused_recurrent_gdn_fwd(
@@ -251,31 +235,15 @@ def fused_recurrent_gdn_fwd(
     """
     reject_unknown("fused_recurrent_gdn_fwd", kwargs, RECURRENT_KWARGS)
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, None, False, "fused_recurrent_gdn_fwd")
-    options = (scale, state_v_first_of(state_v_first, kwargs), use_qk_l2norm_in_kernel, gate, None)
-    return decode(
-        Call(
-            GDN,
-            "fused_recurrent_gdn_fwd",
-            "recurrent",
-            q,
-            k,
-            v,
-            g,
-            beta,
-            *(None, None) if gate == "log_decay" else (A_log, dt_bias),
-            initial_state,
-            problem_of(GDN, q, cu_seqlens, *options, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-            output_final_state,
-            None,  # v's dtype
-            False,
-            None,
-            ssm_state_indices,
-            None,
-            num_accepted_tokens,
-            inplace_final_state,
-            out,
-        )
+    state_v_first = state_v_first_of(state_v_first, kwargs)
+    flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    tensors = (q, k, v, g, beta, *((None, None) if gate == "log_decay" else (A_log, dt_bias)), initial_state)
+    problem = problem_of(GDN, q, cu_seqlens, gate, None, flags)
+    pool = (ssm_state_indices, num_accepted_tokens, inplace_final_state, out)
+    call = Call(
+        GDN, "fused_recurrent_gdn_fwd", "recurrent", tensors, problem, output_final_state, None, serving=pool
     )
+    return decode(call)
 
 
 def decode(call):
