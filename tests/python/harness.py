@@ -9,12 +9,15 @@ lower_bound gates), the beta mode and the in-kernel L2 norm are options of a cas
 The reference is kda's float64 oracle, reached through the same functions with float64 inputs.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import kda
+import pytest
 import torch
+from kda._family import GDN, KDA
 
 DEFINITIONS = Path(__file__).resolve().parents[2] / "harness" / "definitions.txt"
 
@@ -187,6 +190,39 @@ class Case:
     @property
     def num_sequences(self):
         return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+
+# The operator families whose kernels the suites test (kda._family; GV, the gate per value channel, has
+# only the oracle): a shared case runs for each family it applies to.
+FAMILIES = (KDA, GDN)
+
+
+def applies(case, family):
+    """Whether a case is a problem of `family`: the bounded gate (lower_bound) is KDA's alone."""
+    return case.gate != "lower_bound" or family.lower_bound_gate
+
+
+def of_family(case, family):
+    """The case with the family's gate: g [B, T, HV, K] (KDA) or [B, T, HV] (GDN)."""
+    return dataclasses.replace(case, gate_width=family.gate_width)
+
+
+def family_params(families=FAMILIES):
+    """pytest parameters over the families, each named by its family (KDA, GDN)."""
+    return [pytest.param(f, id=f.name) for f in families]
+
+
+def family_cases(cases, families=FAMILIES):
+    """pytest parameters (family, case): every case for every family it applies to, with that family's
+    gate, named 'FAMILY-case'."""
+    return [
+        pytest.param(f, of_family(c, f), id=f"{f.name}-{c}") for f in families for c in cases if applies(c, f)
+    ]
+
+
+def function_of(family, kind):
+    """The name of the family's kda function of a kind: chunk, recurrent (fla's) or decode (serving)."""
+    return getattr(family, f"{kind}_function")
 
 
 def _draw(name, gen, *shape):

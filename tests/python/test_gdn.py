@@ -1,8 +1,9 @@
-"""The gated delta rule (GDN: one log decay per token and value head, g [B, T, HV]) through
-kda.chunk_gated_delta_rule and kda.fused_recurrent_gated_delta_rule: against kda's float64 oracle (and
-finite differences of it) in every gate regime, against fla-core's naive GDN functions and
+"""The gated delta rule's own cases (GDN: one log decay per token and value head, g [B, T, HV]) for
+kda.chunk_gated_delta_rule and kda.fused_recurrent_gated_delta_rule: the scalar gate as KDA's gate
+repeated over the key channels, finite differences of the oracle, fla-core's naive GDN functions and
 transformers' torch functions with autograd, fla's gate arguments (gk, gv), the ops (opcheck,
-torch.compile) and bad input."""
+torch.compile) and bad input. The cases every family shares (the oracle in every gate regime) are in
+test_parity.py."""
 
 import inspect
 import warnings
@@ -12,141 +13,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import (
-    GRADIENT_OF,
     KIMI,
     REGIMES,
     Case,
     as_oracle,
-    gate_parameter_magnitudes,
     gradients,
     loss_weights,
     make_inputs,
     rel_rms,
     run,
-    sum_error,
-    tolerance,
 )
 from kda import _ops
 
 FUNCTIONS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 GDN = dict(gate_width="per_head")
-
-
-def _grid():
-    cases = []
-    for regime in REGIMES:
-        options = KIMI if regime == "unbounded" else {}
-        for dtype in (torch.float32, torch.bfloat16):
-            # GVA (HV = 2H), T not a multiple of the chunk, K != V
-            cases.append(
-                Case(
-                    B=2,
-                    T=100,
-                    H=2,
-                    HV=4,
-                    K=32,
-                    V=24,
-                    regime=regime,
-                    **options,
-                    **GDN,
-                    dtype=dtype,
-                    seed=len(cases),
-                )
-            )
-    for regime, options in (("spike", {}), ("unbounded", KIMI)):
-        for state_v_first in (False, True):
-            # varlen with an empty sequence and a one-token one, both layouts
-            cases.append(
-                Case(
-                    T=150,
-                    cu_seqlens=[0, 1, 1, 65, 150],
-                    H=1,
-                    HV=2,
-                    K=16,
-                    V=24,
-                    regime=regime,
-                    **options,
-                    **GDN,
-                    state_v_first=state_v_first,
-                    seed=len(cases),
-                )
-            )
-    cases += [
-        Case(T=1, regime="unbounded", **KIMI, **GDN),
-        Case(T=1, B=3, regime="mild", state_v_first=True, **GDN),
-        Case(T=64, regime="strong", beta="sigmoid_x2", **GDN),
-        Case(T=65, K=64, V=64, regime="zero", initial_state=False, **GDN),
-        Case(T=70, K=128, V=128, H=1, HV=1, regime="unbounded", **KIMI, **GDN, dt_bias=False),
-        Case(T=45, K=17, V=9, H=3, HV=6, regime="unbounded", **KIMI, **GDN, dtype=torch.bfloat16),
-        Case(T=80, regime="mild", scale=1.0, **GDN, state_v_first=True),
-    ]
-    return cases
-
-
-GRID = _grid()
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-@pytest.mark.parametrize("case", GRID, ids=str)
-def test_forward_matches_oracle(function, case):
-    tensors, options = make_inputs(case)
-    assert tensors["g"].shape == (case.B, case.T, case.HV)
-    with torch.no_grad():
-        o, final, _ = run(function, tensors, options)
-        o_ref, final_ref, _ = run(function, *as_oracle(tensors, options))
-    assert o.dtype == (tensors["q"].dtype if function == "chunk_gated_delta_rule" else tensors["v"].dtype)
-    assert final.dtype == torch.float32 and o_ref.dtype == torch.float64
-    assert rel_rms(o, o_ref) <= tolerance("forward", o.dtype, "o")
-    assert rel_rms(final, final_ref) <= tolerance("forward", final.dtype, "state")
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-@pytest.mark.parametrize("case", GRID[::2], ids=str)
-def test_backward_matches_oracle(function, case):
-    tensors, options = make_inputs(case)
-    o, final, grads = gradients(function, tensors, options)
-    o_ref, final_ref, grads_ref = gradients(function, *as_oracle(tensors, options), round_to=o.dtype)
-    for name in ("q", "k", "v", "g", "beta"):
-        assert grads[name].dtype == tensors[name].dtype and grads[name].shape == tensors[name].shape
-        assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
-            "backward", grads[name].dtype, GRADIENT_OF[name]
-        ), name
-    if case.initial_state:
-        assert rel_rms(grads["initial_state"], grads_ref["initial_state"]) <= tolerance(
-            "backward", torch.float32, "dh0"
-        )
-    if "A_log" in options:
-        mag_A, mag_bias = gate_parameter_magnitudes(grads_ref["g"], tensors, options)
-        assert grads["A_log"].shape == (case.HV,)
-        assert sum_error(grads["A_log"], grads_ref["A_log"], mag_A) <= tolerance(
-            "backward", torch.float32, "dA_log"
-        )
-        if case.dt_bias:
-            assert grads["dt_bias"].shape == (case.HV,)
-            assert sum_error(grads["dt_bias"], grads_ref["dt_bias"], mag_bias) <= tolerance(
-                "backward", torch.float32, "ddt_bias"
-            )
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-def test_decays_of_minus_1e4_and_huge_gates_stay_exact(function):
-    """-1e4 log decays on single tokens (the state is wiped there) and the unbounded softplus gate with
-    exp(A_log) up to ~150 on a wide raw gate."""
-    tensors, options = make_inputs(Case(B=2, T=130, H=2, HV=2, K=32, V=32, regime="mild", **GDN, seed=11))
-    g = tensors["g"].clone()
-    g[0, 7, 1] = g[1, 64, 0] = g[1, 100, 1] = -1e4
-    for t, opts in (
-        (dict(tensors, g=g), options),
-        make_inputs(Case(T=130, regime="unbounded", **KIMI, **GDN)),
-    ):
-        o, final, grads = gradients(function, t, opts)
-        o_ref, final_ref, grads_ref = gradients(function, *as_oracle(t, opts))
-        assert rel_rms(o, o_ref) <= tolerance("forward", torch.float32, "o")
-        assert rel_rms(final, final_ref) <= tolerance("forward", torch.float32, "state")
-        for name in ("q", "k", "v", "g", "beta"):
-            assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
-                "backward", torch.float32, GRADIENT_OF[name]
-            )
 
 
 def test_the_scalar_gate_is_kda_with_the_gate_repeated_over_the_key_channels():

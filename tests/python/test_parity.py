@@ -1,6 +1,10 @@
-"""kda.chunk_kda and kda.fused_recurrent_kda against kda's float64 oracle: outputs, final and per-chunk
-states and every gradient, over gate regimes, odd lengths, varlen, GVA, both state layouts, fp32 and
-bf16 and every fused option."""
+"""Every family's chunked and token-by-token functions (chunk_kda and fused_recurrent_kda for KDA,
+chunk_gated_delta_rule and fused_recurrent_gated_delta_rule for the gated delta rule) against kda's
+float64 oracle: outputs, final and per-chunk states and every gradient, over gate regimes, odd lengths,
+varlen, GVA, both state layouts, fp32 and bf16 and every fused option. Each case runs for every family
+it applies to (harness.family_cases); the gated delta rule's own cases are in test_gdn.py."""
+
+import itertools
 
 import kda
 import pytest
@@ -12,6 +16,9 @@ from harness import (
     LOWER_BOUND,
     Case,
     as_oracle,
+    family_cases,
+    family_params,
+    function_of,
     gate_parameter_magnitudes,
     gradients,
     make_inputs,
@@ -20,27 +27,29 @@ from harness import (
     sum_error,
     tolerance,
 )
+from kda._family import KDA
 
-FUNCTIONS = ("chunk_kda", "fused_recurrent_kda")
+KINDS = ("chunk", "recurrent")
+VARLEN_SETTINGS = (("mild", {}), ("spike", {}), ("unbounded", KIMI), ("strong", LOWER_BOUND))
 
 
 def _grid():
     cases = []
-    for regime, options in GATE_SETTINGS:
-        for dtype in (torch.float32, torch.bfloat16):
-            # GVA (HV = 2H), T not a multiple of the chunk, K != V
+    # GVA (HV = 2H), T not a multiple of the chunk, K != V: every gate setting in both dtypes, two shapes
+    for T, V in ((150, 48), (100, 24)):
+        for seed, ((regime, options), dtype) in enumerate(
+            itertools.product(GATE_SETTINGS, (torch.float32, torch.bfloat16))
+        ):
             cases.append(
-                Case(
-                    B=2, T=150, H=2, HV=4, K=32, V=48, regime=regime, **options, dtype=dtype, seed=len(cases)
-                )
+                Case(B=2, T=T, H=2, HV=4, K=32, V=V, regime=regime, **options, dtype=dtype, seed=seed)
             )
-    for regime, options in (("mild", {}), ("spike", {}), ("unbounded", KIMI), ("strong", LOWER_BOUND)):
-        for state_v_first in (False, True):
-            # varlen with an empty sequence and a one-token one, both layouts
+    # varlen with an empty sequence and a one-token one, both layouts (the seeds the rows always had)
+    for T, cu_seqlens, seed in ((200, [0, 1, 1, 65, 130, 200], 12), (150, [0, 1, 1, 65, 150], 8)):
+        for (regime, options), state_v_first in itertools.product(VARLEN_SETTINGS, (False, True)):
             cases.append(
                 Case(
-                    T=200,
-                    cu_seqlens=[0, 1, 1, 65, 130, 200],
+                    T=T,
+                    cu_seqlens=cu_seqlens,
                     H=1,
                     HV=2,
                     K=16,
@@ -48,18 +57,24 @@ def _grid():
                     regime=regime,
                     **options,
                     state_v_first=state_v_first,
-                    seed=len(cases),
+                    seed=seed,
                 )
             )
+            seed += 1
     cases += [
         Case(T=1, regime="unbounded", **KIMI),
         Case(T=1, B=3, regime="mild", state_v_first=True),
         Case(T=64, regime="strong"),
+        Case(T=64, regime="strong", beta="sigmoid_x2"),
         Case(T=129, K=64, V=64, regime="spike", initial_state=False),
+        Case(T=65, K=64, V=64, regime="zero", initial_state=False),
         Case(T=70, K=128, V=128, H=1, HV=1, regime="unbounded", **KIMI),
+        Case(T=70, K=128, V=128, H=1, HV=1, regime="unbounded", **KIMI, dt_bias=False),
         Case(T=33, K=1, V=1, regime="mild"),
         Case(T=45, K=17, V=9, H=3, HV=6, regime="strong", **LOWER_BOUND, dtype=torch.bfloat16),
+        Case(T=45, K=17, V=9, H=3, HV=6, regime="unbounded", **KIMI, dtype=torch.bfloat16),
         Case(T=80, regime="mild", scale=1.0),
+        Case(T=80, regime="mild", scale=1.0, state_v_first=True),
         Case(T=80, regime="unbounded", **KIMI, scale=0.1, state_v_first=True),
     ]
     return cases
@@ -68,22 +83,25 @@ def _grid():
 GRID = _grid()
 
 
-@pytest.mark.parametrize("function", FUNCTIONS)
-@pytest.mark.parametrize("case", GRID, ids=str)
-def test_forward_matches_oracle(function, case):
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family, case", family_cases(GRID))
+def test_forward_matches_oracle(family, case, kind):
+    function = function_of(family, kind)
     tensors, options = make_inputs(case)
+    assert tensors["g"].shape == family.gate_shape(case.B, case.T, case.HV, case.K, case.V)
     with torch.no_grad():
         o, final, _ = run(function, tensors, options)
         o_ref, final_ref, _ = run(function, *as_oracle(tensors, options))
-    assert o.dtype == (tensors["q"].dtype if function == "chunk_kda" else tensors["v"].dtype)
+    assert o.dtype == (tensors["q"].dtype if kind == "chunk" else tensors["v"].dtype)
     assert final.dtype == torch.float32 and o_ref.dtype == torch.float64
     assert rel_rms(o, o_ref) <= tolerance("forward", o.dtype, "o")
     # States are fp32 whatever the activations: they meet the fp32 limit on the same (rounded) inputs.
     assert rel_rms(final, final_ref) <= tolerance("forward", final.dtype, "state")
 
 
-@pytest.mark.parametrize("case", GRID[::3], ids=str)
-def test_chunk_states_match_oracle(case):
+# return_intermediate_states is chunk_kda's (fla's chunk_gated_delta_rule has no such argument).
+@pytest.mark.parametrize("family, case", family_cases(GRID, families=(KDA,)))
+def test_chunk_states_match_oracle(family, case):
     tensors, options = make_inputs(case)
     with torch.inference_mode():
         o, final, h = kda.chunk_kda(
@@ -106,14 +124,15 @@ def test_chunk_states_match_oracle(case):
     assert rel_rms(h, h_ref) <= tolerance("forward", h.dtype, "state")
 
 
-@pytest.mark.parametrize("function", FUNCTIONS)
-@pytest.mark.parametrize("case", GRID, ids=str)
-def test_backward_matches_oracle(function, case):
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family, case", family_cases(GRID))
+def test_backward_matches_oracle(family, case, kind):
+    function = function_of(family, kind)
     tensors, options = make_inputs(case)
     o, final, grads = gradients(function, tensors, options)
     o_ref, final_ref, grads_ref = gradients(function, *as_oracle(tensors, options), round_to=o.dtype)
     for name in ("q", "k", "v", "g", "beta"):
-        assert grads[name].dtype == tensors[name].dtype
+        assert grads[name].dtype == tensors[name].dtype and grads[name].shape == tensors[name].shape
         assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
             "backward", grads[name].dtype, GRADIENT_OF[name]
         ), name
@@ -123,36 +142,44 @@ def test_backward_matches_oracle(function, case):
         )
     if "A_log" in options:
         mag_A, mag_bias = gate_parameter_magnitudes(grads_ref["g"], tensors, options)
+        assert grads["A_log"].shape == (case.HV,)
         assert sum_error(grads["A_log"], grads_ref["A_log"], mag_A) <= tolerance(
             "backward", torch.float32, "dA_log"
         )
-        assert sum_error(grads["dt_bias"], grads_ref["dt_bias"], mag_bias) <= tolerance(
-            "backward", torch.float32, "ddt_bias"
-        )
+        if case.dt_bias:
+            assert grads["dt_bias"].shape == (family.dt_bias_size(case.HV, case.K, case.V),)
+            assert sum_error(grads["dt_bias"], grads_ref["dt_bias"], mag_bias) <= tolerance(
+                "backward", torch.float32, "ddt_bias"
+            )
 
 
 @pytest.mark.parametrize(
-    "case",
-    [
-        Case(T=300, H=2, HV=2, K=64, V=64, regime="unbounded", **KIMI),
-        Case(T=300, H=2, HV=2, K=64, V=64, regime="spike"),
-    ],
-    ids=str,
+    "family, case",
+    family_cases(
+        [
+            Case(T=300, H=2, HV=2, K=64, V=64, regime="unbounded", **KIMI),
+            Case(T=300, H=2, HV=2, K=64, V=64, regime="spike"),
+        ]
+    ),
 )
-def test_chunked_and_recurrent_agree(case):
+def test_chunked_and_recurrent_agree(family, case):
     """The two kernels compute the same function: they agree to fp32 rounding."""
     tensors, options = make_inputs(case)
     with torch.no_grad():
-        o_c, s_c, _ = run("chunk_kda", tensors, options)
-        o_r, s_r, _ = run("fused_recurrent_kda", tensors, options)
+        o_c, s_c, _ = run(family.chunk_function, tensors, options)
+        o_r, s_r, _ = run(family.recurrent_function, tensors, options)
     # Each within the fp32 limit of the oracle, so within twice of each other.
     assert rel_rms(o_c, o_r) <= 2 * tolerance("forward", torch.float32, "o")
     assert rel_rms(s_c, s_r) <= 2 * tolerance("forward", torch.float32, "state")
 
 
-@pytest.mark.parametrize("function", FUNCTIONS)
-def test_bitwise_identical_for_any_thread_count(function):
-    tensors, options = make_inputs(Case(B=2, T=200, H=2, HV=4, K=32, V=32, regime="unbounded", **KIMI))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "family, case", family_cases([Case(B=2, T=200, H=2, HV=4, K=32, V=32, regime="unbounded", **KIMI)])
+)
+def test_bitwise_identical_for_any_thread_count(family, case, kind):
+    function = function_of(family, kind)
+    tensors, options = make_inputs(case)
     saved = torch.get_num_threads()
     try:
         results = []
@@ -168,61 +195,89 @@ def test_bitwise_identical_for_any_thread_count(function):
             assert torch.equal(grad, other[2][name]), name
 
 
-def test_float16_is_computed_in_float32_and_returned_in_float16():
-    tensors, options = make_inputs(Case(T=50, regime="mild"))
+@pytest.mark.parametrize("family, case", family_cases([Case(T=50, regime="mild")]))
+def test_float16_is_computed_in_float32_and_returned_in_float16(family, case):
+    tensors, options = make_inputs(case)
+    chunk = getattr(kda, family.chunk_function)
     half = {n: t.half() for n, t in tensors.items()}
     with torch.no_grad():
-        o16, s16 = kda.chunk_kda(**half, output_final_state=True, **options)
-        o32, s32 = kda.chunk_kda(
-            **{n: t.float() for n, t in half.items()}, output_final_state=True, **options
-        )
+        o16, s16 = chunk(**half, output_final_state=True, **options)
+        o32, s32 = chunk(**{n: t.float() for n, t in half.items()}, output_final_state=True, **options)
     assert o16.dtype == torch.float16 and s16.dtype == torch.float32
     assert torch.equal(o16, o32.half()) and torch.equal(s16, s32)
-    o, _, grads = gradients("chunk_kda", half, options)
+    o, _, grads = gradients(family.chunk_function, half, options)
     assert all(grads[n].dtype == torch.float16 for n in ("q", "k", "v", "g", "beta"))
 
 
-def test_mixed_dtypes():
-    """fla's convention: o takes q's dtype in chunk_kda, v's in fused_recurrent_kda; g and beta may
-    differ from q (a float32 gate next to bf16 activations is the usual Kimi layer)."""
-    tensors, options = make_inputs(Case(T=40, regime="unbounded", **KIMI))
+@pytest.mark.parametrize("family, case", family_cases([Case(T=40, regime="unbounded", **KIMI)]))
+def test_mixed_dtypes(family, case):
+    """fla's convention: o takes q's dtype in the chunked function, v's in the recurrent one; g and beta
+    may differ from q (a float32 gate next to bf16 activations is the usual Kimi layer)."""
+    tensors, options = make_inputs(case)
     mixed = dict(tensors, q=tensors["q"].bfloat16(), k=tensors["k"].bfloat16(), v=tensors["v"].bfloat16())
     with torch.no_grad():
-        o, _, _ = run("chunk_kda", mixed, options)
-        o_ref, _, _ = run("chunk_kda", *as_oracle(mixed, options))
+        o, _, _ = run(family.chunk_function, mixed, options)
+        o_ref, _, _ = run(family.chunk_function, *as_oracle(mixed, options))
     assert o.dtype == torch.bfloat16 and rel_rms(o, o_ref) <= tolerance("forward", torch.bfloat16, "o")
     mixed_qk = dict(tensors, q=tensors["q"].bfloat16())  # q and k differ: both read in float32
     with torch.no_grad():
-        o, _, _ = run("fused_recurrent_kda", mixed_qk, options)
-        o_ref, _, _ = run("fused_recurrent_kda", *as_oracle(mixed_qk, options))
+        o, _, _ = run(family.recurrent_function, mixed_qk, options)
+        o_ref, _, _ = run(family.recurrent_function, *as_oracle(mixed_qk, options))
     assert o.dtype == torch.float32 and rel_rms(o, o_ref) <= tolerance("forward", torch.float32, "o")
 
 
-def test_strided_inputs_are_read_in_place():
+@pytest.mark.parametrize(
+    "family, case", family_cases([Case(B=2, T=70, H=2, HV=2, K=16, V=16, regime="mild")])
+)
+def test_strided_inputs_are_read_in_place(family, case):
     """q, k, v as column slices of one fused projection (B, T and head strides free) give the same result
     as contiguous copies, and an empty sequence (T = 0) is a valid call."""
-    case = Case(B=2, T=70, H=2, HV=2, K=16, V=16, regime="mild")
     tensors, options = make_inputs(case)
     fused = torch.cat([tensors["q"], tensors["k"], tensors["v"]], dim=-1)  # [B, T, H, 3K]
     views = dict(tensors, q=fused[..., :16], k=fused[..., 16:32], v=fused[..., 32:])
     assert not views["q"].is_contiguous()
     with torch.no_grad():
-        o_view, s_view, _ = run("chunk_kda", views, options)
-        o, s, _ = run("chunk_kda", tensors, options)
+        o_view, s_view, _ = run(family.chunk_function, views, options)
+        o, s, _ = run(family.chunk_function, tensors, options)
     assert torch.equal(o_view, o) and torch.equal(s_view, s)
     empty = {n: t[:, :0] for n, t in tensors.items()}
-    o0, s0 = kda.chunk_kda(**empty, output_final_state=True, **options)
+    o0, s0 = getattr(kda, family.chunk_function)(**empty, output_final_state=True, **options)
     assert o0.shape == (2, 0, 2, 16) and torch.equal(s0, options["initial_state"])
 
 
-def test_no_nan_from_extreme_finite_inputs():
+@pytest.mark.parametrize("family, case", family_cases([Case(T=130, regime="unbounded", **KIMI)]))
+def test_no_nan_from_extreme_finite_inputs(family, case):
     """A_log = 30 (decays of -1e13), raw gates of 1e30, huge logits: every output and gradient finite."""
-    case = Case(T=130, regime="unbounded", **KIMI)
     tensors, options = make_inputs(case)
     tensors["g"] = tensors["g"] * 1e30
     tensors["beta"] = tensors["beta"] * 1e30
     options["A_log"] = torch.full_like(options["A_log"], 30.0)
-    for function in FUNCTIONS:
-        o, final, grads = gradients(function, tensors, options)
+    for kind in KINDS:
+        o, final, grads = gradients(function_of(family, kind), tensors, options)
         assert torch.isfinite(o).all() and torch.isfinite(final).all()
         assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", family_params())
+def test_decays_of_minus_1e4_and_huge_gates_stay_exact(family, kind):
+    """-1e4 log decays on single tokens (the state is wiped there; every key channel of a KDA gate) and
+    the unbounded softplus gate with exp(A_log) up to ~150 on a wide raw gate."""
+    function = function_of(family, kind)
+    tensors, options = make_inputs(
+        Case(B=2, T=130, H=2, HV=2, K=32, V=32, regime="mild", gate_width=family.gate_width, seed=11)
+    )
+    g = tensors["g"].clone()
+    g[0, 7, 1] = g[1, 64, 0] = g[1, 100, 1] = -1e4
+    for t, opts in (
+        (dict(tensors, g=g), options),
+        make_inputs(Case(T=130, regime="unbounded", **KIMI, gate_width=family.gate_width)),
+    ):
+        o, final, grads = gradients(function, t, opts)
+        o_ref, final_ref, grads_ref = gradients(function, *as_oracle(t, opts))
+        assert rel_rms(o, o_ref) <= tolerance("forward", torch.float32, "o")
+        assert rel_rms(final, final_ref) <= tolerance("forward", torch.float32, "state")
+        for name in ("q", "k", "v", "g", "beta"):
+            assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
+                "backward", torch.float32, GRADIENT_OF[name]
+            )
