@@ -141,6 +141,7 @@ struct TuningRow {
 };
 
 constexpr TuningRow tuning_row(const char* name, int64_t value) { return {name, value, nullptr, 0, false}; }
+constexpr TuningRow tuning_row(const char* name, int value) { return tuning_row(name, int64_t{value}); }
 constexpr TuningRow tuning_row(const char* name, bool value) { return {name, value, nullptr, 0, true}; }
 constexpr TuningRow tuning_row(const char* name, ByTarget v) {
   return {name, v.avx2, "AVX2", v.other, false};
@@ -149,29 +150,29 @@ constexpr TuningRow tuning_row(const char* name, ByX86Width v) {
   return {name, v.x86_below_avx512, "x86 below AVX-512", v.other, false};
 }
 
-// Every entry of kTuning, in its order.
-inline constexpr std::array<TuningRow, 21> kTuningRows = {
-    tuning_row("prefill_prefers_recurrent", kTuning.prefill_prefers_recurrent),
-    tuning_row("decode_tokens", kTuning.decode_tokens),
-    tuning_row("decode_slot_steps", kTuning.decode_slot_steps),
-    tuning_row("decode_bytes_per_worker", kTuning.decode_bytes_per_worker),
-    tuning_row("decode_prefetch_bytes", kTuning.decode_prefetch_bytes),
-    tuning_row("decode_k_first_prefetch_bytes", kTuning.decode_k_first_prefetch_bytes),
-    tuning_row("decode_rows", int64_t{kTuning.decode_rows}),
-    tuning_row("decode_column_vectors", kTuning.decode_column_vectors),
-    tuning_row("recurrent_forward_vectors", kTuning.recurrent_forward_vectors),
-    tuning_row("recurrent_backward_columns", kTuning.recurrent_backward_columns),
-    tuning_row("scalar_gate_group", kTuning.scalar_gate_group),
-    tuning_row("scalar_gate_vectors", int64_t{kTuning.scalar_gate_vectors}),
-    tuning_row("gemm_tile_rows", kTuning.gemm_tile_rows),
-    tuning_row("gemm_tile_vectors", kTuning.gemm_tile_vectors),
-    tuning_row("forward_heads_per_item", kTuning.forward_heads_per_item),
-    tuning_row("forward_item_bytes", kTuning.forward_item_bytes),
-    tuning_row("chunk_backward_share_tokens", kTuning.chunk_backward_share_tokens),
-    tuning_row("chunk_backward_share_columns", kTuning.chunk_backward_share_columns),
-    tuning_row("recurrent_backward_share_tokens", kTuning.recurrent_backward_share_tokens),
-    tuning_row("recurrent_backward_share_columns", kTuning.recurrent_backward_share_columns),
-    tuning_row("column_share_sum_tokens", kTuning.column_share_sum_tokens),
-};
+// Every entry of kTuning, in its order, named as in the struct.
+#define KDA_TUNING_ROW(entry) tuning_row(#entry, kTuning.entry)
+inline constexpr std::array<TuningRow, 21> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
+                                                          KDA_TUNING_ROW(decode_tokens),
+                                                          KDA_TUNING_ROW(decode_slot_steps),
+                                                          KDA_TUNING_ROW(decode_bytes_per_worker),
+                                                          KDA_TUNING_ROW(decode_prefetch_bytes),
+                                                          KDA_TUNING_ROW(decode_k_first_prefetch_bytes),
+                                                          KDA_TUNING_ROW(decode_rows),
+                                                          KDA_TUNING_ROW(decode_column_vectors),
+                                                          KDA_TUNING_ROW(recurrent_forward_vectors),
+                                                          KDA_TUNING_ROW(recurrent_backward_columns),
+                                                          KDA_TUNING_ROW(scalar_gate_group),
+                                                          KDA_TUNING_ROW(scalar_gate_vectors),
+                                                          KDA_TUNING_ROW(gemm_tile_rows),
+                                                          KDA_TUNING_ROW(gemm_tile_vectors),
+                                                          KDA_TUNING_ROW(forward_heads_per_item),
+                                                          KDA_TUNING_ROW(forward_item_bytes),
+                                                          KDA_TUNING_ROW(chunk_backward_share_tokens),
+                                                          KDA_TUNING_ROW(chunk_backward_share_columns),
+                                                          KDA_TUNING_ROW(recurrent_backward_share_tokens),
+                                                          KDA_TUNING_ROW(recurrent_backward_share_columns),
+                                                          KDA_TUNING_ROW(column_share_sum_tokens)};
+#undef KDA_TUNING_ROW
 
 }  // namespace kda::cpu
