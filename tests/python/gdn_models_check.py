@@ -1,6 +1,6 @@
-"""transformers' gated delta rule models on kda, through the Hugging Face `kernels` hub: a check run in
-its own process by test_gdn_transformers.py (python gdn_models_check.py HUB_FOLDER), printing one
-JSON line.
+"""transformers' gated delta rule models on kda, through the Hugging Face `kernels` hub: GDN's check of
+harness.MODEL_CHECKS, run in its own process for test_transformers.py and test_gdn_transformers.py
+(python gdn_models_check.py HUB_FOLDER), printing one JSON line, {model: report}.
 
 For each of Qwen3-Next, Qwen3.5, Qwen3.5-MoE and OLMo-hybrid it builds a tiny, randomly initialised
 causal LM (grouped value heads: the models expand q and k to the value heads themselves) and runs it

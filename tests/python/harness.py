@@ -220,6 +220,21 @@ def family_cases(cases, families=FAMILIES):
     ]
 
 
+# transformers' models of each family, which the transformers suites run on kda's hub layers: the
+# check that builds them (run in its own process; it prints {model: report}), its time limit in
+# seconds and the models' names.
+MODEL_CHECKS = {
+    KDA.name: ("kimi_linear_check.py", 600, ("kimi_linear",)),
+    GDN.name: ("gdn_models_check.py", 900, ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")),
+}
+
+
+def family_models(families=FAMILIES):
+    """pytest parameters (family, model) over every family's transformers models, named
+    'FAMILY-model'."""
+    return [pytest.param(f, m, id=f"{f.name}-{m}") for f in families for m in MODEL_CHECKS[f.name][2]]
+
+
 def function_of(family, kind):
     """The name of the family's kda function of a kind: chunk, recurrent (fla's) or decode (serving)."""
     return getattr(family, f"{kind}_function")

@@ -1,5 +1,6 @@
-"""transformers' Kimi Linear on kda, through the Hugging Face `kernels` hub: a check run in its own
-process by test_transformers.py (python kimi_linear_check.py HUB_FOLDER), printing one JSON line.
+"""transformers' Kimi Linear on kda, through the Hugging Face `kernels` hub: KDA's check of
+harness.MODEL_CHECKS, run in its own process for test_transformers.py (python kimi_linear_check.py
+HUB_FOLDER), printing one JSON line, {"kimi_linear": report}.
 
 It runs a tiny, randomly initialised KimiLinearForCausalLM twice: with transformers' own torch
 fallbacks, then kernelized with kda's hub layers (register_kernel_mapping + LocalLayerRepository +
@@ -127,16 +128,18 @@ def main(hub_folder):
     print(
         json.dumps(
             {
-                "namespace": namespace,
-                "linear_layers": linear_layers,
-                "new_tokens": new_tokens,
-                "logits_error": rel(logits, logits_ref),
-                "grad_errors": {n: rel(g, grads_ref[n]) for n, g in grads.items()},
-                "grads_missing": sorted(set(grads_ref) ^ set(grads)),
-                "train_ops": train_log.counts,
-                "generate_ops": gen_log.counts,
-                "tokens_equal": bool(torch.equal(tokens, tokens_ref)),
-                "tokens": tokens.tolist(),
+                "kimi_linear": {
+                    "namespace": namespace,
+                    "linear_layers": linear_layers,
+                    "new_tokens": new_tokens,
+                    "logits_error": rel(logits, logits_ref),
+                    "grad_errors": {n: rel(g, grads_ref[n]) for n, g in grads.items()},
+                    "grads_missing": sorted(set(grads_ref) ^ set(grads)),
+                    "train_ops": train_log.counts,
+                    "generate_ops": gen_log.counts,
+                    "tokens_equal": bool(torch.equal(tokens, tokens_ref)),
+                    "tokens": tokens.tolist(),
+                }
             }
         )
     )
