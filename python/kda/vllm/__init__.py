@@ -11,8 +11,9 @@ On the CPU it
     (:mod:`kda.vllm.layer`), whose core runs kda's pooled ``chunk_kda`` (prefill, chunked-prefill
     continuation) and in-place ``fused_recurrent_kda_fwd`` (decode, speculative decoding) on vLLM's
     own state pool;
-  - applies the few mends vLLM 0.32.0's CPU build needs to run a Kimi Linear checkpoint at all
-    (:mod:`kda.vllm.mends`, each documented with why).
+  - applies the mends of that release (:mod:`kda.vllm.mends`, a module each, documented with why):
+    repairs of vLLM's CPU build, which stops a Kimi Linear checkpoint otherwise, and the few changes
+    kda's layer needs from vLLM, each only where its probe finds the installed vLLM still needs it.
 
 See docs/vllm.md.
 """
