@@ -187,6 +187,18 @@ def _make_layer_class():
             super().__init__(*args, **kwargs)
             # Kimi's MLA module, imported only once a model is built (see kda.vllm.mends)
             mends.apply_model_mends(args[1] if len(args) > 1 else kwargs.get("vllm_config"))
+            #: kda's options for this layer, made once (every step passes them): Kimi's gate, beta and
+            #: q/k norm fused, vLLM's V-first pool. A_log and dt_bias are the layer's parameters,
+            #: which weight loading and vLLM's reload_weights fill in place.
+            self.kda_options = dict(
+                A_log=self.A_log,
+                dt_bias=self.dt_bias,
+                lower_bound=self.gate_lower_bound,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                use_qk_l2norm_in_kernel=True,
+                state_v_first=True,
+            )
             check_served(self.local_num_heads, self.head_dim, self.prefix, self.kda_options)
             self.short_conv = ShortConvolution(self.conv1d, native_ops())
             # The packed conv weight is made from the loaded weight on first use; a later load
@@ -211,19 +223,6 @@ def _make_layer_class():
             cache = self.cache_config
             return MambaStateDtypeCalculator.kda_state_dtype(
                 self.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
-            )
-
-        @property
-        def kda_options(self):
-            """kda's options for this layer: Kimi's gate, beta and q/k norm fused, vLLM's V-first pool."""
-            return dict(
-                A_log=self.A_log,
-                dt_bias=self.dt_bias,
-                lower_bound=self.gate_lower_bound,
-                use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True,
-                use_qk_l2norm_in_kernel=True,
-                state_v_first=True,
             )
 
         def _forward(self, mixed_qkv, g1, g2, beta, core_attn_out):
