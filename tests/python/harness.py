@@ -212,12 +212,17 @@ def family_params(families=FAMILIES):
     return [pytest.param(f, id=f.name) for f in families]
 
 
-def family_cases(cases, families=FAMILIES):
-    """pytest parameters (family, case): every case for every family it applies to, with that family's
-    gate, named 'FAMILY-case'."""
-    return [
-        pytest.param(f, of_family(c, f), id=f"{f.name}-{c}") for f in families for c in cases if applies(c, f)
-    ]
+def family_cases(rows, families=FAMILIES):
+    """pytest parameters (family, case, *values): every case for every family it applies to, with that
+    family's gate, named 'FAMILY-case'. A row is a case, or a tuple (case, *values) of a case and the
+    test's other arguments."""
+    params = []
+    for f in families:
+        for row in rows:
+            case, *values = row if isinstance(row, tuple) else (row,)
+            if applies(case, f):
+                params.append(pytest.param(f, of_family(case, f), *values, id=f"{f.name}-{case}"))
+    return params
 
 
 # transformers' models of each family, which the transformers suites run on kda's hub layers: the

@@ -1,9 +1,8 @@
 """The gated delta rule's own cases (GDN: one log decay per token and value head, g [B, T, HV]) for
 kda.chunk_gated_delta_rule and kda.fused_recurrent_gated_delta_rule: the scalar gate as KDA's gate
-repeated over the key channels, finite differences of the oracle, fla-core's naive GDN functions and
-transformers' torch functions with autograd, fla's gate arguments (gk, gv), the ops (opcheck,
-torch.compile) and bad input. The cases every family shares (the oracle in every gate regime) are in
-test_parity.py."""
+repeated over the key channels, fla-core's naive GDN functions and transformers' torch functions with
+autograd, fla's gate arguments (gk, gv) and bad input. The cases every family shares are in
+test_parity.py (the oracle in every gate regime) and test_ops.py (opcheck, torch.compile, gradcheck)."""
 
 import inspect
 import warnings
@@ -16,14 +15,12 @@ from harness import (
     KIMI,
     REGIMES,
     Case,
-    as_oracle,
     gradients,
     loss_weights,
     make_inputs,
     rel_rms,
     run,
 )
-from kda import _ops
 
 FUNCTIONS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 GDN = dict(gate_width="per_head")
@@ -45,31 +42,6 @@ def test_the_scalar_gate_is_kda_with_the_gate_repeated_over_the_key_channels():
         assert rel_rms(grads["dt_bias"], grads_k["dt_bias"].view(2, 16).sum(-1)) <= 1e-5
         for name in ("q", "k", "v", "beta", "A_log", "initial_state"):
             assert rel_rms(grads[name], grads_k[name]) <= 1e-5, name
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(B=1, T=6, H=1, HV=2, K=4, V=3, regime="unbounded", **KIMI, **GDN),
-        Case(T=7, cu_seqlens=[0, 3, 7], H=1, HV=1, K=3, V=4, regime="spike", **GDN, state_v_first=True),
-    ],
-    ids=str,
-)
-def test_gradcheck_float64(function, case):
-    """The oracle's exact backward against central finite differences of the oracle."""
-    tensors, options = as_oracle(*make_inputs(case))
-    names = list(tensors) + [n for n in ("A_log", "dt_bias", "initial_state") if options.get(n) is not None]
-    values = [(tensors.get(n) if n in tensors else options[n]).clone().requires_grad_() for n in names]
-
-    def f(*xs):
-        given = dict(zip(names, xs, strict=True))
-        args = {n: given[n] for n in tensors}
-        opts = dict(options, **{n: given[n] for n in names if n not in tensors})
-        o, s = getattr(kda, function)(**args, output_final_state=True, **opts)
-        return o, s
-
-    assert torch.autograd.gradcheck(f, values, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
 # ---- fla-core's naive GDN functions, with autograd --------------------------------------------------
@@ -436,93 +408,3 @@ def test_kda_functions_refuse_a_per_head_gate():
             ssm_state_indices=torch.tensor([1]),
         )
     assert not pool.any()
-
-
-# ---- the ops --------------------------------------------------------------------------------------
-
-
-def _op_args(case, requires_grad, keep, dtype=None):
-    tensors, options = make_inputs(case)
-    if dtype == torch.float64:
-        tensors, options = as_oracle(tensors, options)
-    t = {n: x.detach().clone().requires_grad_(requires_grad) for n, x in tensors.items()}
-    side = {
-        n: options[n].detach().clone().requires_grad_(requires_grad) if options.get(n) is not None else None
-        for n in ("A_log", "dt_bias", "initial_state")
-    }
-    gate = "softplus" if options.get("use_gate_in_kernel") else "log_decay"
-    beta_mode = "sigmoid" if options.get("use_beta_sigmoid_in_kernel") else "given"
-    opts = _ops.problem_options(
-        t["q"],
-        cu_seqlens=options.get("cu_seqlens"),
-        state_v_first=case.state_v_first,
-        qk_l2norm=bool(options.get("use_qk_l2norm_in_kernel")),
-        gate=gate,
-        beta_mode=beta_mode,
-        gate_width="per_head",
-    )
-    return (
-        t["q"],
-        t["k"],
-        t["v"],
-        t["g"],
-        t["beta"],
-        side["A_log"],
-        side["dt_bias"],
-        side["initial_state"],
-        *opts,
-        True,
-        keep,
-    )
-
-
-_OP_CASES = [
-    Case(B=2, T=70, H=1, HV=2, K=16, V=8, regime="unbounded", **KIMI, **GDN),
-    Case(T=90, cu_seqlens=[0, 20, 20, 90], H=1, HV=1, K=8, V=16, regime="strong", **GDN, state_v_first=True),
-]
-
-
-@pytest.mark.parametrize("path", ("chunk", "recurrent", "reference"))
-@pytest.mark.parametrize("case", _OP_CASES, ids=str)
-def test_opcheck(path, case):
-    dtype = torch.float64 if path == "reference" else None
-    torch.library.opcheck(_ops.PATHS[path].forward_op, _op_args(case, True, path != "reference", dtype))
-    args = _op_args(case, False, True, dtype)
-    o, final, chunks = _ops.PATHS[path].forward_op(*args)
-    d_o = torch.randn_like(o)
-    a = _ops._FORWARD.Args._make(args)
-    backward_args = _ops._BACKWARD.Args(
-        **{n: getattr(a, n) for n in _ops._FROM_FORWARD},
-        chunk_states=chunks if path != "reference" else None,
-        d_o=d_o,
-        d_final_state=torch.randn_like(final),
-        want_d_initial_state=a.initial_state is not None,
-    )
-    torch.library.opcheck(_ops.PATHS[path].backward_op, tuple(backward_args))
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-def test_compile_fullgraph_dynamic_sequence_length(function):
-    import torch._dynamo.testing
-
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounter()
-    call = getattr(kda, function)
-
-    @torch.compile(fullgraph=True, dynamic=True, backend=counter)
-    def step(tensors, options):
-        o, s = call(**tensors, output_final_state=True, **options)
-        return o.sum() + s.sum()
-
-    for T in (40, 77):
-        tensors, options = make_inputs(Case(T=T, H=1, HV=2, K=16, V=16, regime="unbounded", **KIMI, **GDN))
-        tensors = {n: t.requires_grad_() for n, t in tensors.items()}
-        loss = step(tensors, options)
-        loss.backward()
-        eager = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-        o, s = call(**eager, output_final_state=True, **options)
-        (o.sum() + s.sum()).backward()
-        assert torch.allclose(loss, o.sum() + s.sum(), rtol=1e-6)
-        for n in tensors:
-            assert torch.equal(tensors[n].grad, eager[n].grad), n
-    assert counter.frame_count == 1

@@ -1,11 +1,24 @@
-"""kda's torch.library custom ops: opcheck for every op, torch.compile(fullgraph=True) with a dynamic
-sequence length, gradcheck through the float64 oracle path, and what the forward keeps for autograd."""
+"""kda's torch.library custom ops, for every family: opcheck for every op, torch.compile(fullgraph=True)
+with a dynamic sequence length, gradcheck through the float64 oracle path, and what the forward keeps
+for autograd."""
+
+import dataclasses
 
 import kda
 import pytest
 import torch
 import torch._dynamo.testing
-from harness import KIMI, LOWER_BOUND, Case, as_oracle, make_inputs, rel_rms, run
+from harness import (
+    KIMI,
+    LOWER_BOUND,
+    Case,
+    as_oracle,
+    family_cases,
+    function_of,
+    make_inputs,
+    rel_rms,
+    run,
+)
 from kda import _ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,7 +54,7 @@ def _op_args(case, requires_grad, keep_chunk_states, dtype=None):
         gate,
         float(options.get("lower_bound") or -5.0),
         beta_mode,
-        "per_key",
+        case.gate_width,
         True,
         keep_chunk_states,
     )
@@ -49,32 +62,25 @@ def _op_args(case, requires_grad, keep_chunk_states, dtype=None):
 
 _OP_CASES = [
     Case(B=2, T=70, H=1, HV=2, K=16, V=8, regime="unbounded", **KIMI),
-    Case(
-        T=90,
-        cu_seqlens=[0, 20, 20, 90],
-        H=1,
-        HV=1,
-        K=8,
-        V=16,
-        regime="strong",
-        **LOWER_BOUND,
-        state_v_first=True,
+    *(
+        Case(T=90, cu_seqlens=[0, 20, 20, 90], H=1, HV=1, K=8, V=16, regime="strong", **g, state_v_first=True)
+        for g in (LOWER_BOUND, {})
     ),
     Case(T=33, K=8, V=8, regime="mild", initial_state=False),
 ]
 
 
 @pytest.mark.parametrize("path", ("chunk", "chunk_bf16", "recurrent", "reference"))
-@pytest.mark.parametrize("case", _OP_CASES, ids=str)
-def test_opcheck_forward(path, case):
+@pytest.mark.parametrize("family, case", family_cases(_OP_CASES))
+def test_opcheck_forward(family, case, path):
     dtype = torch.float64 if path == "reference" else None
     for keep in (False, True):
         torch.library.opcheck(_ops.PATHS[path].forward_op, _op_args(case, True, keep, dtype))
 
 
 @pytest.mark.parametrize("path", ("chunk", "chunk_bf16", "recurrent", "reference"))
-@pytest.mark.parametrize("case", _OP_CASES, ids=str)
-def test_opcheck_backward(path, case):
+@pytest.mark.parametrize("family, case", family_cases(_OP_CASES))
+def test_opcheck_backward(family, case, path):
     dtype = torch.float64 if path == "reference" else None
     args = _op_args(case, False, True, dtype)
     o, final, chunks = _ops.PATHS[path].forward_op(*args)
@@ -107,12 +113,13 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_forward_keeps_chunk_states_only_for_a_gradient():
-    tensors, options = make_inputs(Case(T=100, regime="unbounded", **KIMI))
+@pytest.mark.parametrize("family, case", family_cases([Case(T=100, regime="unbounded", **KIMI)]))
+def test_forward_keeps_chunk_states_only_for_a_gradient(family, case):
+    tensors, options = make_inputs(case)
     with _OpLog() as log, torch.no_grad():
-        run("chunk_kda", tensors, options, requires_grad=True)
+        run(family.chunk_function, tensors, options, requires_grad=True)
     with _OpLog() as log_grad:
-        o, final, _ = run("chunk_kda", tensors, options, requires_grad=True)
+        o, final, _ = run(family.chunk_function, tensors, options, requires_grad=True)
         (o.sum() + final.sum()).backward()
     assert [c[0] for c in log.calls] == ["chunk_fwd"] and log.calls[0][1][-1] is False
     assert [c[0] for c in log_grad.calls] == ["chunk_fwd", "chunk_bwd"] and log_grad.calls[0][1][-1] is True
@@ -123,15 +130,30 @@ def _loss(function, tensors, options):
     return (o * o).sum() + final.sum()
 
 
-@pytest.mark.parametrize("function", ("chunk_kda", "fused_recurrent_kda"))
-@pytest.mark.parametrize("regime, settings", (("unbounded", KIMI), ("mild", {})))
-def test_compile_fullgraph_dynamic_sequence_length(function, regime, settings):
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+@pytest.mark.parametrize("kind", ("chunk", "recurrent"))
+@pytest.mark.parametrize(
+    "family, case, lengths, backend",
+    family_cases(  # (a case at its first length, the lengths, the backend: "dynamo" alone or "aot_eager")
+        [
+            (Case(T=70, regime="unbounded", **KIMI, K=16, V=16), (70, 100, 131), "aot_eager"),
+            (Case(T=70, regime="mild", K=16, V=16), (70, 100, 131), "aot_eager"),
+            # (aot_eager's trace from T <= 64 holds only up to 64: a recompilation past it)
+            (Case(T=40, H=1, HV=2, regime="unbounded", **KIMI, K=16, V=16), (40, 77), "dynamo"),
+        ]
+    ),
+)
+def test_compile_fullgraph_dynamic_sequence_length(family, case, lengths, backend, kind):
+    function = function_of(family, kind)
+    torch._dynamo.reset()  # (every case compiles the same lambda: no recompilation limit across them)
+    if backend == "dynamo":
+        counter = torch._dynamo.testing.CompileCounter()
+    else:
+        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(
         lambda t, o: _loss(function, t, o), backend=counter, fullgraph=True, dynamic=True
     )
-    for T in (70, 100, 131):
-        tensors, options = make_inputs(Case(T=T, regime=regime, **settings, K=16, V=16))
+    for T in lengths:
+        tensors, options = make_inputs(dataclasses.replace(case, T=T))
         eager = {n: t.clone().requires_grad_() for n, t in tensors.items()}
         traced = {n: t.clone().requires_grad_() for n, t in tensors.items()}
         loss_eager = _loss(function, eager, options)
@@ -160,18 +182,21 @@ def test_compile_inductor_varlen():
         assert rel_rms(traced[n].grad, eager[n].grad) <= 1e-5, n
 
 
-@pytest.mark.parametrize("function", ("chunk_kda", "fused_recurrent_kda"))
+@pytest.mark.parametrize("kind", ("chunk", "recurrent"))
 @pytest.mark.parametrize(
-    "case",
-    [
-        Case(T=9, H=1, HV=2, K=3, V=2, regime="unbounded", **KIMI),
-        Case(T=7, K=2, V=3, regime="strong", **LOWER_BOUND, state_v_first=True),
-        Case(T=6, cu_seqlens=[0, 2, 6], K=2, V=2, regime="mild"),
-        Case(T=5, K=3, V=2, regime="spike"),
-    ],
-    ids=str,
+    "family, case",
+    family_cases(
+        [
+            Case(T=9, H=1, HV=2, K=3, V=2, regime="unbounded", **KIMI),
+            Case(T=6, H=1, HV=2, K=4, V=3, regime="unbounded", **KIMI),
+            Case(T=7, K=2, V=3, regime="strong", **LOWER_BOUND, state_v_first=True),
+            Case(T=6, cu_seqlens=[0, 2, 6], K=2, V=2, regime="mild"),
+            Case(T=7, cu_seqlens=[0, 3, 7], H=1, HV=1, K=3, V=4, regime="spike", state_v_first=True),
+            Case(T=5, K=3, V=2, regime="spike"),
+        ]
+    ),
 )
-def test_gradcheck_float64(function, case):
+def test_gradcheck_float64(family, case, kind):
     """Float64 inputs run kda's float64 oracle through the same ops and autograd wiring as the kernels,
     so torch.autograd.gradcheck checks every gradient the layer routes: raw gate (A_log, dt_bias), beta
     logits, raw q/k under the L2 norm, the initial state."""
@@ -182,6 +207,6 @@ def test_gradcheck_float64(function, case):
     def fn(*xs):
         t = dict(zip(names, xs, strict=True))
         opts = dict(options, **{n: t.pop(n) for n in ("A_log", "dt_bias", "initial_state") if n in t})
-        return getattr(kda, function)(**t, output_final_state=True, **opts)
+        return getattr(kda, function_of(family, kind))(**t, output_final_state=True, **opts)
 
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
