@@ -1,20 +1,51 @@
-"""kda against flash-linear-attention (fla-core 0.6.0, installed as a test dependency): its naive
-PyTorch functions, the only ones that run on the CPU, with autograd through them for the gradients.
+"""kda against flash-linear-attention (fla-core 0.6.0, installed as a test dependency), for every
+family: fla's naive PyTorch functions (naive_recurrent_kda and naive_chunk_kda for KDA, the
+naive_*_gated_delta_rule ones for the gated delta rule), the only ones that run on the CPU, with
+autograd through them for the gradients.
 
 fla's naive functions take the log decay and beta as they are and compute in float32, so the fused
 pre-processing (gate, beta sigmoid, L2 norm) is applied here with fla's own gate helpers and torch.
-naive_chunk_kda evaluates exp(G_i - G_j) unmasked and overflows for strong gates: it is compared in
-the mild regimes only (and needs T to be a multiple of 64); naive_recurrent_kda in every regime.
+The naive chunked forms evaluate exp(G_i - G_j) unmasked and overflow for strong gates: they are
+compared in the mild regimes only (naive_chunk_kda needs T to be a multiple of 64); the naive
+recurrences in every regime.
 """
 
 import kda
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import GATE_SETTINGS, KIMI, LOWER_BOUND, Case, loss_weights, make_inputs, rel_rms, run
+from harness import (
+    GATE_SETTINGS,
+    KIMI,
+    LOWER_BOUND,
+    REGIMES,
+    Case,
+    family_cases,
+    family_params,
+    function_of,
+    loss_weights,
+    make_inputs,
+    rel_rms,
+    run,
+)
+from kda._family import GDN, KDA
 
-fla_naive = pytest.importorskip("fla.ops.kda.naive")
+kda_naive = pytest.importorskip("fla.ops.kda.naive")
+gdn_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
 fla_gate = pytest.importorskip("fla.ops.kda.gate")
+
+KINDS = ("chunk", "recurrent")
+# fla's naive functions of each family by form, and whether they take grouped value heads (the gated
+# delta rule's do not: q and k are repeated to the value heads for them).
+NAIVE = {
+    KDA.name: (dict(recurrent=kda_naive.naive_recurrent_kda, chunk=kda_naive.naive_chunk_kda), True),
+    GDN.name: (
+        dict(
+            recurrent=gdn_naive.naive_recurrent_gated_delta_rule, chunk=gdn_naive.naive_chunk_gated_delta_rule
+        ),
+        False,
+    ),
+}
 
 # Both sides compute in float32 with different summation orders: agreement to a few fp32 roundings
 # accumulated over the sequence.
@@ -22,49 +53,58 @@ FLA_FORWARD = 2e-5
 FLA_BACKWARD = 1e-4
 
 
-def _fla_preprocess(tensors, options):
+def _fla_preprocess(family, tensors, options):
     """The log decay, beta and normalised q/k that kda's fused options compute, via fla and torch."""
-    q, k, g, beta = tensors["q"], tensors["k"], tensors["g"], tensors["beta"]
+    q, k, g, beta = (tensors[n].float() for n in ("q", "k", "g", "beta"))
     if options.get("use_gate_in_kernel"):
-        if options.get("lower_bound") is not None:
+        if not family.gate_channels:  # one decay per head: fla's gate helpers are KDA's
+            g = -options["A_log"].exp() * F.softplus(g + options.get("dt_bias", 0))
+        elif options.get("lower_bound") is not None:
             g = fla_gate.naive_kda_lowerbound_gate(
                 g, options["A_log"], options["dt_bias"], options["lower_bound"]
             )
         else:
             g = fla_gate.naive_kda_gate(g, options["A_log"], options["dt_bias"])
     if options.get("use_beta_sigmoid_in_kernel"):
-        beta = beta.float().sigmoid() * (2.0 if options.get("allow_neg_eigval") else 1.0)
+        beta = beta.sigmoid() * (2.0 if options.get("allow_neg_eigval") else 1.0)
     if options.get("use_qk_l2norm_in_kernel"):
-        q = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6)
-        k = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
     return q, k, g, beta
 
 
-def _fla(naive, tensors, options, requires_grad):
+def _fla(family, form, tensors, options, requires_grad):
+    """fla's naive function of the family in `form` (recurrent, chunk) on the same problem."""
+    naive, grouped_heads = NAIVE[family.name]
     inputs = {n: t.detach().clone().requires_grad_(requires_grad) for n, t in tensors.items()}
     opts = dict(options)
     for name in ("initial_state", "A_log", "dt_bias"):
         if opts.get(name) is not None:
             opts[name] = opts[name].detach().clone().requires_grad_(requires_grad)
             inputs[name] = opts[name]
-    q, k, g, beta = _fla_preprocess(inputs, opts)
-    o, final = naive(
-        q,
-        k,
-        inputs["v"],
-        g,
-        beta,
+    q, k, g, beta = _fla_preprocess(family, inputs, opts)
+    if not grouped_heads:
+        groups = inputs["v"].shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    o, final = naive[form](
+        q=q,
+        k=k,
+        v=inputs["v"],
+        g=g,
+        beta=beta,
         scale=opts.get("scale"),
         initial_state=opts.get("initial_state"),
         output_final_state=True,
+        **(dict(chunk_size=64) if form == "chunk" else {}),
     )
     return o, final, inputs
 
 
-def _compare(function, naive, case):
+def _compare(family, kind, form, case):
+    """kda's function of the kind against fla's naive function in `form`: outputs and every gradient."""
     tensors, options = make_inputs(case)
-    o, final, inputs = run(function, tensors, options, requires_grad=True)
-    o_fla, final_fla, inputs_fla = _fla(naive, tensors, options, requires_grad=True)
+    o, final, inputs = run(function_of(family, kind), tensors, options, requires_grad=True)
+    o_fla, final_fla, inputs_fla = _fla(family, form, tensors, options, requires_grad=True)
     assert rel_rms(o, o_fla) <= FLA_FORWARD
     assert rel_rms(final, final_fla) <= FLA_FORWARD
     w_o, w_s = loss_weights(o, final, round_to=o.dtype)
@@ -74,45 +114,60 @@ def _compare(function, naive, case):
         assert rel_rms(t.grad, inputs_fla[name].grad) <= FLA_BACKWARD, name
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
-    "case",
-    [
-        Case(B=2, T=100, H=2, HV=4, K=32, V=32, regime=r, **options, seed=i)
-        for i, (r, options) in enumerate(GATE_SETTINGS)
-    ]
-    + [
-        Case(T=1, regime="unbounded", **KIMI),
-        Case(T=77, K=64, V=16, regime="mild", scale=1.0, initial_state=False),
-    ],
-    ids=str,
+    "family, case",
+    family_cases(
+        [
+            Case(B=2, T=100, H=2, HV=4, K=32, V=32, regime=r, **options, seed=i)
+            for i, (r, options) in enumerate(GATE_SETTINGS)
+        ]
+        + [
+            Case(T=1, regime="unbounded", **KIMI),
+            Case(T=77, K=64, V=16, regime="mild", scale=1.0, initial_state=False),
+        ]
+        + [
+            Case(T=150, H=2, HV=2, K=32, V=32, regime=regime, **options, seed=i)
+            for i, (regime, options) in enumerate(
+                (("strong", {}), ("spike", {}), ("unbounded", KIMI), ("strong", LOWER_BOUND))
+            )
+        ]
+        + [
+            Case(
+                B=2,
+                T=80,
+                H=1,
+                HV=2,
+                K=16,
+                V=16,
+                regime=regime,
+                **(KIMI if regime == "unbounded" else {}),
+                seed=3,
+            )
+            for regime in REGIMES
+        ]
+    ),
 )
-def test_recurrent_matches_fla_naive_recurrent(case):
-    _compare("fused_recurrent_kda", fla_naive.naive_recurrent_kda, case)
+def test_matches_fla_naive_recurrent_in_every_regime(family, case, kind):
+    _compare(family, kind, "recurrent", case)
 
 
-@pytest.mark.parametrize("function", ("chunk_kda", "fused_recurrent_kda"))
+_NAIVE_CHUNK_CASES = [
+    Case(B=2, T=128, H=2, HV=2, K=32, V=32, regime="mild"),
+    Case(T=64, H=1, HV=2, K=64, V=64, regime="zero"),
+    Case(T=192, regime="mild", initial_state=False, seed=3),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
-    "case",
-    [
-        Case(B=2, T=128, H=2, HV=2, K=32, V=32, regime="mild"),
-        Case(T=64, H=1, HV=2, K=64, V=64, regime="zero"),
-        Case(T=192, regime="mild", initial_state=False, seed=3),
-    ],
-    ids=str,
+    "family, case",
+    family_cases(_NAIVE_CHUNK_CASES)
+    # (T = 100: naive_chunk_kda takes whole chunks only)
+    + family_cases([Case(B=2, T=100, H=2, HV=2, K=16, V=16, regime="mild", seed=5)], families=(GDN,)),
 )
-def test_chunked_matches_fla_naive_chunk(function, case):
-    _compare(function, fla_naive.naive_chunk_kda, case)
-
-
-def test_chunked_matches_fla_naive_recurrent_in_every_regime():
-    for i, (regime, options) in enumerate(
-        (("strong", {}), ("spike", {}), ("unbounded", KIMI), ("strong", LOWER_BOUND))
-    ):
-        _compare(
-            "chunk_kda",
-            fla_naive.naive_recurrent_kda,
-            Case(T=150, H=2, HV=2, K=32, V=32, regime=regime, **options, seed=i),
-        )
+def test_matches_fla_naive_chunk(family, case, kind):
+    _compare(family, kind, "chunk", case)
 
 
 @pytest.mark.parametrize("lower_bound", (None, -5.0, -2.0))
@@ -157,14 +212,15 @@ def test_fused_gate_equals_gate_then_kernel():
     assert rel_rms(o_fused, o) <= 2e-6 and rel_rms(s_fused, s) <= 2e-6
 
 
-def test_fla_reference_itself_agrees_with_the_oracle():
-    """Guards the comparison above: fla's naive recurrence is itself within fp32 rounding of kda's
+@pytest.mark.parametrize("family", family_params())
+def test_fla_reference_itself_agrees_with_the_oracle(family):
+    """Guards the comparisons above: fla's naive recurrence is itself within fp32 rounding of kda's
     float64 oracle (so an agreement with it means something)."""
-    tensors, options = make_inputs(Case(T=100, regime="mild"))
+    tensors, options = make_inputs(Case(T=100, regime="mild", gate_width=family.gate_width))
     with torch.no_grad():
-        o_fla, _, _ = _fla(fla_naive.naive_recurrent_kda, tensors, options, requires_grad=False)
+        o_fla, _, _ = _fla(family, "recurrent", tensors, options, requires_grad=False)
         t64 = {n: t.double() for n, t in tensors.items()}
-        o64, _ = kda.fused_recurrent_kda(
+        o64, _ = getattr(kda, family.recurrent_function)(
             **t64, **dict(options, initial_state=options["initial_state"].double())
         )
     assert rel_rms(o_fla, o64) <= FLA_FORWARD

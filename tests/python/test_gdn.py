@@ -1,8 +1,8 @@
 """The gated delta rule's own cases (GDN: one log decay per token and value head, g [B, T, HV]) for
 kda.chunk_gated_delta_rule and kda.fused_recurrent_gated_delta_rule: the scalar gate as KDA's gate
-repeated over the key channels, fla-core's naive GDN functions and transformers' torch functions with
-autograd, fla's gate arguments (gk, gv) and bad input. The cases every family shares are in
-test_parity.py (the oracle in every gate regime) and test_ops.py (opcheck, torch.compile, gradcheck)."""
+repeated over the key channels, transformers' torch functions with autograd, fla's gate arguments (gk,
+gv) and bad input. The cases every family shares are in test_parity.py (the oracle in every gate
+regime), test_ops.py (opcheck, torch.compile, gradcheck) and test_fla.py (fla's naive functions)."""
 
 import inspect
 import warnings
@@ -10,16 +10,12 @@ import warnings
 import kda
 import pytest
 import torch
-import torch.nn.functional as F
 from harness import (
     KIMI,
-    REGIMES,
     Case,
     gradients,
-    loss_weights,
     make_inputs,
     rel_rms,
-    run,
 )
 
 FUNCTIONS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
@@ -42,73 +38,6 @@ def test_the_scalar_gate_is_kda_with_the_gate_repeated_over_the_key_channels():
         assert rel_rms(grads["dt_bias"], grads_k["dt_bias"].view(2, 16).sum(-1)) <= 1e-5
         for name in ("q", "k", "v", "beta", "A_log", "initial_state"):
             assert rel_rms(grads[name], grads_k[name]) <= 1e-5, name
-
-
-# ---- fla-core's naive GDN functions, with autograd --------------------------------------------------
-
-
-def _fla_naive_module():
-    """fla's naive GDN functions; skips the test (only the test) when fla is not installed."""
-    return pytest.importorskip("fla.ops.gated_delta_rule.naive")
-
-
-def _fla_naive(naive, tensors, options, H, HV, **naive_options):
-    """fla's naive function on the same problem: the fused gate, beta sigmoid and L2 norm applied here,
-    q and k repeated to the value heads (the naive functions have no grouped value heads)."""
-    inputs = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-    side = {
-        n: options[n].detach().clone().requires_grad_()
-        for n in ("A_log", "dt_bias", "initial_state")
-        if options.get(n) is not None
-    }
-    q, k, g, beta = inputs["q"].float(), inputs["k"].float(), inputs["g"].float(), inputs["beta"].float()
-    if options.get("use_gate_in_kernel"):
-        g = -side["A_log"].exp() * F.softplus(g + side.get("dt_bias", 0))
-    if options.get("use_beta_sigmoid_in_kernel"):
-        beta = beta.sigmoid() * (2.0 if options.get("allow_neg_eigval") else 1.0)
-    if options.get("use_qk_l2norm_in_kernel"):
-        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
-    q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    o, final = naive(
-        q=q,
-        k=k,
-        v=inputs["v"],
-        g=g,
-        beta=beta,
-        scale=options.get("scale"),
-        initial_state=side.get("initial_state"),
-        output_final_state=True,
-        **naive_options,
-    )
-    return o, final, {**inputs, **side}
-
-
-def _compare_with_fla(function, naive, case, **naive_options):
-    tensors, options = make_inputs(case)
-    o, final, inputs = run(function, tensors, options, requires_grad=True)
-    o_fla, final_fla, inputs_fla = _fla_naive(naive, tensors, options, case.H, case.HV, **naive_options)
-    assert rel_rms(o, o_fla) <= 2e-5 and rel_rms(final, final_fla) <= 2e-5
-    w_o, w_s = loss_weights(o, final, round_to=o.dtype)
-    ((o.double() * w_o).sum() + (final.double() * w_s).sum()).backward()
-    ((o_fla.double() * w_o).sum() + (final_fla.double() * w_s).sum()).backward()
-    for name, t in inputs.items():
-        assert rel_rms(t.grad, inputs_fla[name].grad) <= 1e-4, name
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-@pytest.mark.parametrize("regime", REGIMES)
-def test_matches_fla_naive_recurrent_in_every_regime(function, regime):
-    options = dict(KIMI) if regime == "unbounded" else {}
-    case = Case(B=2, T=80, H=1, HV=2, K=16, V=16, regime=regime, **options, **GDN, seed=3)
-    _compare_with_fla(function, _fla_naive_module().naive_recurrent_gated_delta_rule, case)
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-def test_matches_fla_naive_chunk(function):
-    # fla's naive chunked form exponentiates unmasked cumulative decays: mild gates only.
-    case = Case(B=2, T=100, H=2, HV=2, K=16, V=16, regime="mild", **GDN, seed=5)
-    _compare_with_fla(function, _fla_naive_module().naive_chunk_gated_delta_rule, case, chunk_size=64)
 
 
 # ---- transformers' torch functions ----------------------------------------------------------------
