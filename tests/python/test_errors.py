@@ -205,6 +205,31 @@ def test_unused_gate_arguments_are_not_silently_ignored():
         _call("chunk_kda", tensors, options, lower_bound=-5.0, safe_gate=True)  # fla's bounded-gate hint
 
 
+def test_unused_gate_arguments_warn_at_the_callers_line_in_both_families():
+    """A_log without use_gate_in_kernel is not applied: a UserWarning pointing at the caller's line, from
+    KDA's and the gated delta rule's functions and serving entries alike (gk's route included)."""
+    gdn, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8, gate_width="per_head"))
+    kda_tensors, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8))
+    no_g = {n: t for n, t in gdn.items() if n != "g"}
+    A_log = torch.zeros(2)
+    calls = {
+        "chunk_kda": lambda: kda.chunk_kda(**kda_tensors, A_log=A_log),
+        "fused_recurrent_kda": lambda: kda.fused_recurrent_kda(**kda_tensors, A_log=A_log),
+        "fused_recurrent_kda_fwd": lambda: kda.fused_recurrent_kda_fwd(**kda_tensors, A_log=A_log),
+        "chunk_gated_delta_rule": lambda: kda.chunk_gated_delta_rule(**gdn, A_log=A_log),
+        "fused_recurrent_gated_delta_rule": lambda: kda.fused_recurrent_gated_delta_rule(**gdn, A_log=A_log),
+        "gk": lambda: kda.fused_recurrent_gated_delta_rule(**no_g, gk=kda_tensors["g"], A_log=A_log),
+        "fused_recurrent_gdn_fwd": lambda: kda.fused_recurrent_gdn_fwd(**gdn, A_log=A_log),
+    }
+    for name, call in calls.items():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            call()
+        unused = [w for w in record if "only used with use_gate_in_kernel=True" in str(w.message)]
+        assert len(unused) == 1 and unused[0].category is UserWarning, name
+        assert unused[0].filename == __file__, (name, unused[0].filename)
+
+
 def test_a_rejected_call_changes_no_input():
     tensors, options = _inputs(regime="unbounded", **KIMI)
     before = {

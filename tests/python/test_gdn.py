@@ -1,8 +1,10 @@
 """The gated delta rule's own cases (GDN: one log decay per token and value head, g [B, T, HV]) for
 kda.chunk_gated_delta_rule and kda.fused_recurrent_gated_delta_rule: the scalar gate as KDA's gate
-repeated over the key channels, transformers' torch functions with autograd, fla's gate arguments (gk,
-gv) and bad input. The cases every family shares are in test_parity.py (the oracle in every gate
-regime), test_ops.py (opcheck, torch.compile, gradcheck) and test_fla.py (fla's naive functions)."""
+repeated over the key channels, transformers' torch functions (and the hub layers' chunk_size) with
+autograd, fla's gate arguments (gk, gv), short names and chunk sizes, and bad input. The cases every
+family shares are in test_parity.py (the oracle in every gate regime), test_ops.py (opcheck,
+torch.compile, gradcheck), test_fla.py (fla's naive functions), test_serving.py and
+test_transformers.py."""
 
 import inspect
 import warnings
@@ -206,47 +208,6 @@ def test_gk_takes_the_gated_delta_rules_exception_types():
         R(wide, wide, torch.randn(1, 4, 1, 8), gk=torch.zeros(1, 4, 1, 300), beta=torch.ones(1, 4, 1))
     with pytest.raises(TypeError, match="'gk' must be a floating-point tensor"):
         R(q, q, v, gk=torch.zeros(1, 4, 2, 8, dtype=torch.int32), beta=beta)
-
-
-@pytest.mark.parametrize("function", FUNCTIONS)
-def test_float64_takes_the_scale_as_given(function):
-    """The float64 path computes in double all through: a scale that float cannot hold (the default
-    K^-0.5 at K = 8, or 0.1) is not rounded to float on the way (it was, 1.5e-8 to 3e-8 off)."""
-    case = Case(B=1, T=40, H=2, HV=2, K=8, V=8, dtype=torch.float64, regime="strong", **GDN)
-    tensors, options = make_inputs(case)
-    f = getattr(kda, function)
-    for scale in (None, 0.1, 1 / 3):
-        o, s = f(**tensors, **dict(options, scale=scale), output_final_state=True)
-        exact = case.K**-0.5 if scale is None else scale
-        o_ref, s_ref = f(
-            **dict(tensors, q=tensors["q"] * exact), **dict(options, scale=1.0), output_final_state=True
-        )
-        assert rel_rms(o, o_ref) < 1e-14 and torch.equal(s, s_ref)
-
-
-def test_unused_gate_arguments_warn_at_the_callers_line_in_both_families():
-    """A_log without use_gate_in_kernel is not applied: a UserWarning pointing at the caller's line, from
-    KDA's and the gated delta rule's functions and serving entries alike (gk's route included)."""
-    gdn, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8, **GDN))
-    kda_tensors, _ = make_inputs(Case(T=10, H=1, HV=2, K=8, V=8))
-    no_g = {n: t for n, t in gdn.items() if n != "g"}
-    A_log = torch.zeros(2)
-    calls = {
-        "chunk_kda": lambda: kda.chunk_kda(**kda_tensors, A_log=A_log),
-        "fused_recurrent_kda": lambda: kda.fused_recurrent_kda(**kda_tensors, A_log=A_log),
-        "fused_recurrent_kda_fwd": lambda: kda.fused_recurrent_kda_fwd(**kda_tensors, A_log=A_log),
-        "chunk_gated_delta_rule": lambda: kda.chunk_gated_delta_rule(**gdn, A_log=A_log),
-        "fused_recurrent_gated_delta_rule": lambda: kda.fused_recurrent_gated_delta_rule(**gdn, A_log=A_log),
-        "gk": lambda: kda.fused_recurrent_gated_delta_rule(**no_g, gk=kda_tensors["g"], A_log=A_log),
-        "fused_recurrent_gdn_fwd": lambda: kda.fused_recurrent_gdn_fwd(**gdn, A_log=A_log),
-    }
-    for name, call in calls.items():
-        with torch.no_grad(), warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            call()
-        unused = [w for w in record if "only used with use_gate_in_kernel=True" in str(w.message)]
-        assert len(unused) == 1 and unused[0].category is UserWarning, name
-        assert unused[0].filename == __file__, (name, unused[0].filename)
 
 
 def test_short_names_and_chunk_size():

@@ -281,3 +281,22 @@ def test_decays_of_minus_1e4_and_huge_gates_stay_exact(family, kind):
             assert rel_rms(grads[name], grads_ref[name]) <= tolerance(
                 "backward", torch.float32, GRADIENT_OF[name]
             )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "family, case",
+    family_cases([Case(B=1, T=40, H=2, HV=2, K=8, V=8, dtype=torch.float64, regime="strong")]),
+)
+def test_float64_takes_the_scale_as_given(family, case, kind):
+    """The float64 path computes in double all through: a scale that float cannot hold (the default
+    K^-0.5 at K = 8, or 0.1) is not rounded to float on the way (it was, 1.5e-8 to 3e-8 off)."""
+    tensors, options = make_inputs(case)
+    f = getattr(kda, function_of(family, kind))
+    for scale in (None, 0.1, 1 / 3):
+        o, s = f(**tensors, **dict(options, scale=scale), output_final_state=True)
+        exact = case.K**-0.5 if scale is None else scale
+        o_ref, s_ref = f(
+            **dict(tensors, q=tensors["q"] * exact), **dict(options, scale=1.0), output_final_state=True
+        )
+        assert rel_rms(o, o_ref) < 1e-14 and torch.equal(s, s_ref)
