@@ -25,7 +25,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from kernels import LocalLayerRepository, register_kernel_mapping  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from model_check import OpLog, generate, namespace_of_the_hub_copy, rel, train_step  # noqa: E402
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 COMMON = dict(
@@ -53,20 +53,6 @@ MODELS = {
 }
 
 
-class OpLog(TorchDispatchMode):
-    """Counts the ops of a namespace the dispatcher runs."""
-
-    def __init__(self, namespace):
-        super().__init__()
-        self.namespace, self.counts = namespace, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == self.namespace:
-            name = func.__name__.split(".")[0]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def tiny_model(name):
     config_name, model_name, extra = MODELS[name]
     config = getattr(transformers, config_name)(**COMMON, **extra)
@@ -75,38 +61,6 @@ def tiny_model(name):
     if "num_experts" in extra:  # torch's grouped_mm, transformers' default, has no float64
         model.set_experts_implementation("eager")
     return model, config
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    den = b.norm().item()
-    return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
-
-
-def train_step(model, ids):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {
-        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
-    }
-
-
-def generate(model, prompt, new_tokens):
-    model.eval()
-    with torch.no_grad():
-        return model.generate(
-            prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=True, min_new_tokens=new_tokens
-        )
-
-
-def namespace_of_the_hub_copy():
-    return next(
-        m.ops.NAMESPACE
-        for name, m in sys.modules.items()
-        if name.startswith("_kda_") and hasattr(m, "ops") and m.__name__ == name
-    )
 
 
 def check(name, hub, gen):

@@ -20,22 +20,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch  # noqa: E402
 from kernels import LocalLayerRepository, register_kernel_mapping  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from model_check import OpLog, generate, namespace_of_the_hub_copy, rel, train_step  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
-
-
-class OpLog(TorchDispatchMode):
-    """Counts the ops of a namespace the dispatcher runs."""
-
-    def __init__(self, namespace):
-        super().__init__()
-        self.namespace, self.counts = namespace, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == self.namespace:
-            name = func.__name__.split(".")[0]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def tiny_model():
@@ -66,30 +52,6 @@ def tiny_model():
     return KimiLinearForCausalLM(config).float(), config
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    den = b.norm().item()
-    return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
-
-
-def train_step(model, ids):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {
-        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
-    }
-
-
-def generate(model, prompt, new_tokens):
-    model.eval()
-    with torch.no_grad():
-        return model.generate(
-            prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=True, min_new_tokens=new_tokens
-        )
-
-
 def main(hub_folder):
     model, config = tiny_model()
     gen = torch.Generator().manual_seed(1)
@@ -113,11 +75,7 @@ def main(hub_folder):
     )
     model.train()
     model.set_use_kernels(True)
-    namespace = next(
-        m.ops.NAMESPACE
-        for name, m in sys.modules.items()
-        if name.startswith("_kda_") and hasattr(m, "ops") and m.__name__ == name
-    )
+    namespace = namespace_of_the_hub_copy()
 
     with OpLog(namespace) as train_log:
         logits, grads = train_step(model, ids)
