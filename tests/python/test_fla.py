@@ -18,7 +18,6 @@ from harness import (
     GATE_SETTINGS,
     KIMI,
     LOWER_BOUND,
-    REGIMES,
     Case,
     family_cases,
     family_params,
@@ -133,18 +132,8 @@ def _compare(family, kind, form, case):
             )
         ]
         + [
-            Case(
-                B=2,
-                T=80,
-                H=1,
-                HV=2,
-                K=16,
-                V=16,
-                regime=regime,
-                **(KIMI if regime == "unbounded" else {}),
-                seed=3,
-            )
-            for regime in REGIMES
+            Case(B=2, T=80, H=1, HV=2, K=16, V=16, regime=regime, **options, seed=3)
+            for regime, options in GATE_SETTINGS
         ]
     ),
 )
