@@ -39,7 +39,9 @@ struct Call {
     p.value_dim = 4;
     p.gate_width = width;
     if (!cu.empty()) p.cu_seqlens = cu;
-    const int64_t G = width == GateWidth::per_head ? 1 : p.key_dim;
+    const int64_t G = width == GateWidth::per_head    ? 1
+                      : width == GateWidth::per_value ? p.value_dim
+                                                      : p.key_dim;
     q.assign(static_cast<size_t>(T * 8), 0.1f);
     k.assign(static_cast<size_t>(T * 8), 0.2f);
     v.assign(static_cast<size_t>(T * 2 * 4), 0.3f);
@@ -227,7 +229,8 @@ OracleCase oracle_case(GateWidth width) {
     x.resize(n);
     for (double& e : x) e = rng.uniform(-scale, scale);
   };
-  const size_t T = 7, HV = 2, K = 3, V = 2, G = width == GateWidth::per_head ? 1 : K;
+  const size_t T = 7, HV = 2, K = 3, V = 2;
+  const size_t G = width == GateWidth::per_head ? 1 : width == GateWidth::per_value ? V : K;
   fill(c.in.q, T * K, 1.0);
   fill(c.in.k, T * K, 1.0);
   fill(c.in.v, T * HV * V, 1.0);
@@ -290,6 +293,80 @@ TEST(GateWidth, OraclePerHeadGradientsMatchFiniteDifferences) {
   check(&reference::Inputs::dt_bias, gr.ddt_bias);
   check(&reference::Inputs::A_log, gr.dA_log);
   check(&reference::Inputs::beta, gr.dbeta);
+}
+
+// Runs f, which must throw kda::Error whose message names argument `name`.
+void expect_error_naming(const std::string& name, const std::function<void()>& f) {
+  try {
+    f();
+    ADD_FAILURE() << "expected a kda::Error naming '" << name << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + name + "'"), std::string::npos) << e.what();
+  }
+}
+
+// The value-channel gate (per_value, g [B, T, HV, V]): the oracle's forward decays the state's value
+// columns; a value gate equal across the columns is the per-head gate, bitwise; the CPU kernels and
+// the oracle's backward refuse it, naming gate_width.
+TEST(GateWidth, OraclePerValueDecaysTheValueColumns) {
+  OracleCase c = oracle_case(GateWidth::per_value);
+  const reference::ForwardResult f = reference::forward(c.p, c.in);
+  // The same recurrence written out (K-first, T = 7, HV = 2, K = 3, V = 2, one query/key head).
+  std::vector<double> S = c.in.initial_state, o(f.o.size());
+  for (int64_t hv = 0; hv < 2; ++hv) {
+    const double a = std::exp(c.in.A_log[hv]);
+    for (int64_t t = 0; t < 7; ++t) {
+      double q[3], k[3], nq = 0, nk = 0;
+      for (int d = 0; d < 3; ++d) {
+        q[d] = c.in.q[t * 3 + d];
+        k[d] = c.in.k[t * 3 + d];
+        nq += q[d] * q[d];
+        nk += k[d] * k[d];
+      }
+      for (int d = 0; d < 3; ++d) {
+        q[d] /= std::sqrt(nq + 1e-6);
+        k[d] /= std::sqrt(nk + 1e-6);
+      }
+      const double beta = 1 / (1 + std::exp(-c.in.beta[t * 2 + hv]));
+      double* st = S.data() + hv * 6;
+      for (int j = 0; j < 2; ++j) {
+        const double x = c.in.g[(t * 2 + hv) * 2 + j] + c.in.dt_bias[hv * 2 + j];
+        const double softplus = x > 20 ? x : std::log1p(std::exp(x));
+        for (int d = 0; d < 3; ++d) st[d * 2 + j] *= std::exp(-a * softplus);
+      }
+      for (int j = 0; j < 2; ++j) {
+        double r = c.in.v[(t * 2 + hv) * 2 + j];
+        for (int d = 0; d < 3; ++d) r -= k[d] * st[d * 2 + j];
+        for (int d = 0; d < 3; ++d) st[d * 2 + j] += k[d] * beta * r;
+      }
+      for (int j = 0; j < 2; ++j) {
+        double acc = 0;
+        for (int d = 0; d < 3; ++d) acc += q[d] * st[d * 2 + j];
+        o[(t * 2 + hv) * 2 + j] = acc / std::sqrt(3.0);
+      }
+    }
+  }
+  for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(f.o[i], o[i], 1e-13 * (1 + std::abs(o[i]))) << i;
+  for (size_t i = 0; i < S.size(); ++i)
+    EXPECT_NEAR(f.final_state[i], S[i], 1e-13 * (1 + std::abs(S[i]))) << i;
+
+  OracleCase head = oracle_case(GateWidth::per_head);
+  OracleCase value = oracle_case(GateWidth::per_value);
+  value.in = head.in;
+  value.in.g.clear();
+  value.in.dt_bias.clear();
+  for (double x : head.in.g) value.in.g.insert(value.in.g.end(), 2, x);
+  for (double x : head.in.dt_bias) value.in.dt_bias.insert(value.in.dt_bias.end(), 2, x);
+  const reference::ForwardResult fh = reference::forward(head.p, head.in),
+                                 fv = reference::forward(value.p, value.in);
+  EXPECT_EQ(fh.o, fv.o);
+  EXPECT_EQ(fh.final_state, fv.final_state);
+
+  expect_error_naming("gate_width",
+                      [&] { reference::backward(value.p, value.in, value.d_o, value.d_final); });
+  Call kernels(20, GateWidth::per_value);
+  expect_error_naming("gate_width", [&] { chunk_forward(kernels.p, kernels.in, kernels.out); });
+  expect_error_naming("gate_width", [&] { recurrent_forward(kernels.p, kernels.in, kernels.out); });
 }
 
 TEST(GateWidth, ThroughTheCAbi) {

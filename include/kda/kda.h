@@ -99,8 +99,9 @@ enum {
 
 /* How many log decays a token has per value head (the operator family). */
 enum {
-  KDA_GATE_WIDTH_PER_KEY = 0, /* KDA: g [B, T, HV, K], dt_bias [HV * K] */
-  KDA_GATE_WIDTH_PER_HEAD = 1 /* the gated delta rule: g [B, T, HV], dt_bias [HV]; not in the kernels yet */
+  KDA_GATE_WIDTH_PER_KEY = 0,  /* KDA: g [B, T, HV, K], dt_bias [HV * K] */
+  KDA_GATE_WIDTH_PER_HEAD = 1, /* the gated delta rule: g [B, T, HV], dt_bias [HV] */
+  KDA_GATE_WIDTH_PER_VALUE = 2 /* g [B, T, HV, V], dt_bias [HV * V]: the oracle's forward only, so far */
 };
 
 /* How `beta` becomes the delta-rule step size. */

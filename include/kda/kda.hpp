@@ -8,7 +8,8 @@
 // Tensor conventions (the ones flash-linear-attention's chunk_kda / fused_recurrent_kda use):
 //   q, k  [B, T, H,  K]        v     [B, T, HV, V]       g  [B, T, HV, G]       beta [B, T, HV]
 //   o     [B, T, HV, V]        A_log [HV] fp32           dt_bias [HV * G] fp32
-//   G = K (GateWidth::per_key, KDA) or 1 (GateWidth::per_head, the gated delta rule)
+//   G = K (GateWidth::per_key, KDA), 1 (GateWidth::per_head, the gated delta rule) or V
+//       (GateWidth::per_value, a decay per value channel: the float64 oracle's forward only so far)
 //   state [N, HV, K, V] (StateLayout::k_first) or [N, HV, V, K] (StateLayout::v_first), fp32,
 //         N = B, or the number of sequences when cu_seqlens is given (then B must be 1).
 // Activations may be strided in their B, T and head dimensions; the last dimension is contiguous.
@@ -61,6 +62,9 @@ enum class GateMode : int32_t {
 enum class GateWidth : int32_t {
   per_key = 0,   // KDA: g [B, T, HV, K], one decay per key channel; dt_bias [HV * K]
   per_head = 1,  // the gated delta rule (Gated DeltaNet): g [B, T, HV], one decay per head; dt_bias [HV]
+  // g [B, T, HV, V], one decay per value channel (the state's columns decay); dt_bias [HV * V].
+  // Computed by the float64 oracle's forward only: the CPU kernels refuse it (not supported yet).
+  per_value = 2,
 };
 
 // How the `beta` tensor becomes the delta-rule step size.
@@ -103,7 +107,7 @@ struct Shapes {
   int64_t chunks = 0;                     // sum over sequences of ceil(len / kChunkSize)
   std::array<int64_t, 4> state{};         // initial / final state and their gradients
   std::array<int64_t, 4> chunk_states{};  // the state entering every chunk
-  int64_t gate_dim = 0;                   // last dimension of g: K (per_key) or 1 (per_head)
+  int64_t gate_dim = 0;                   // last dimension of g: K (per_key), 1 (per_head), V (per_value)
   int64_t A_log = 0;                      // HV
   int64_t dt_bias = 0;                    // HV * gate_dim
 };

@@ -189,8 +189,11 @@ kda::BetaMode beta_mode(const std::string& name) {
 kda::GateWidth gate_width(const std::string& name) {
   if (name == "per_key") return kda::GateWidth::per_key;
   if (name == "per_head") return kda::GateWidth::per_head;
+  if (name == "per_value") return kda::GateWidth::per_value;
   fail_value("gate_width",
-             "expected 'per_key' (KDA) or 'per_head' (the gated delta rule), got '" + name + "'");
+             "expected 'per_key' (KDA), 'per_head' (the gated delta rule) or 'per_value' (a decay per value "
+             "channel), got '" +
+                 name + "'");
 }
 
 // A call's run options: its thread count and how chunk_forward computes its products.
@@ -269,8 +272,9 @@ struct SideShapes {
 
 Extent extent(const kda::Prepared& p) { return {p.problem().batch, p.problem().seq_len}; }
 
-// g and dg are [B, T, HV, K] with a per-key-channel gate, [B, T, HV] with a per-head one.
-bool gate_has_dim(const kda::Prepared& p) { return p.problem().gate_width == kda::GateWidth::per_key; }
+// g and dg are [B, T, HV, K] with a per-key-channel gate, [B, T, HV, V] with a per-value-channel one,
+// [B, T, HV] with a per-head one.
+bool gate_has_dim(const kda::Prepared& p) { return p.problem().gate_width != kda::GateWidth::per_head; }
 
 kda::ForwardInputs forward_inputs(const kda::Prepared& p, const SideShapes& s, const InArray& q,
                                   const InArray& k, const InArray& v, const InArray& g, const InArray& beta,

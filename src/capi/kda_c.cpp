@@ -26,6 +26,7 @@ static_assert(KDA_GATE_SOFTPLUS == static_cast<int>(kda::GateMode::softplus));
 static_assert(KDA_GATE_LOWER_BOUND == static_cast<int>(kda::GateMode::lower_bound));
 static_assert(KDA_GATE_WIDTH_PER_KEY == static_cast<int>(kda::GateWidth::per_key));
 static_assert(KDA_GATE_WIDTH_PER_HEAD == static_cast<int>(kda::GateWidth::per_head));
+static_assert(KDA_GATE_WIDTH_PER_VALUE == static_cast<int>(kda::GateWidth::per_value));
 static_assert(KDA_BETA_GIVEN == static_cast<int>(kda::BetaMode::given));
 static_assert(KDA_BETA_SIGMOID == static_cast<int>(kda::BetaMode::sigmoid));
 static_assert(KDA_BETA_SIGMOID_X2 == static_cast<int>(kda::BetaMode::sigmoid_x2));

@@ -111,9 +111,12 @@ Plan plan_problem(const Problem& p) {
     fail("gate_lower_bound", "expected a finite value < 0, got " + std::to_string(p.gate_lower_bound));
   if (p.beta != BetaMode::given && p.beta != BetaMode::sigmoid && p.beta != BetaMode::sigmoid_x2)
     fail("beta_mode", "unknown beta mode " + std::to_string(static_cast<int>(p.beta)));
-  if (p.gate_width != GateWidth::per_key && p.gate_width != GateWidth::per_head)
-    fail("gate_width", "expected per_key (0, KDA) or per_head (1, the gated delta rule), got " +
-                           std::to_string(static_cast<int>(p.gate_width)));
+  if (p.gate_width != GateWidth::per_key && p.gate_width != GateWidth::per_head &&
+      p.gate_width != GateWidth::per_value)
+    fail("gate_width",
+         "expected per_key (0, KDA), per_head (1, the gated delta rule) or per_value (2, a decay per value "
+         "channel), got " +
+             std::to_string(static_cast<int>(p.gate_width)));
 
   Plan plan;
   plan.problem = p;
@@ -122,7 +125,9 @@ Plan plan_problem(const Problem& p) {
   plan.K = p.key_dim;
   plan.V = p.value_dim;
   plan.group = p.value_heads / p.heads;
-  plan.gate_dim = p.gate_width == GateWidth::per_head ? 1 : p.key_dim;
+  plan.gate_dim = p.gate_width == GateWidth::per_head    ? 1
+                  : p.gate_width == GateWidth::per_value ? p.value_dim
+                                                         : p.key_dim;
   plan.exact_scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(p.key_dim));
   plan.scale = static_cast<float>(plan.exact_scale);
 

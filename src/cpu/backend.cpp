@@ -8,9 +8,14 @@
 namespace kda::cpu {
 namespace {
 
-// Every problem the core accepts runs on the CPU kernels: both gate widths, every gate mode, beta
-// mode, layout and dtype.
-const char* unsupported(const core::Plan&) { return nullptr; }
+// The CPU kernels run every problem the core accepts (every gate mode, beta mode, layout and dtype)
+// but the value-channel gate, which only the float64 oracle computes so far.
+const char* unsupported(const core::Plan& plan) {
+  if (plan.problem.gate_width == GateWidth::per_value)
+    return "kda: argument 'gate_width': per_value (a decay per value channel) is not supported yet by the "
+           "CPU kernels; the float64 oracle (kda::reference) computes its forward";
+  return nullptr;
+}
 
 // The routing rule's two questions, answered from the tuning table (cpu/tuning.hpp): an automatic
 // prefill's kernel, and the sequences short enough for the decode kernel.

@@ -25,6 +25,10 @@ Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector
                    const std::vector<double>& d_final_state) {
   const core::Plan& plan = prepared.plan();
   const Problem& p = plan.problem;
+  if (p.gate_width == GateWidth::per_value)
+    throw Error(
+        "kda: argument 'gate_width': per_value (a decay per value channel) has no backward yet, not even in "
+        "the float64 oracle");
   detail::check_inputs(plan, in);
   const detail::Shape s(plan);
   detail::check_size("d_o", d_o, s.v_size(), false);
@@ -53,7 +57,7 @@ Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector
   std::vector<double> checkpoints, S1(static_cast<size_t>(KV)), dS(static_cast<size_t>(KV));
   std::vector<double> r(static_cast<size_t>(V)), dr(static_cast<size_t>(V)), scratch(static_cast<size_t>(V));
   std::vector<double> dqh(static_cast<size_t>(K)), dkh(static_cast<size_t>(K)), dgl(static_cast<size_t>(K));
-  detail::Token tok(K);
+  detail::Token tok(s);
 
   for (int64_t n = 0; n < s.N; ++n) {
     const core::Sequence& seq = plan.sequences[n];

@@ -2,6 +2,7 @@
 // packed indexing, the per-token pre-processing and one step of the recurrence.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -29,7 +30,8 @@ inline void check_size(const std::string& name, const std::vector<double>& v, si
 // Packed [B, T, heads, dim] offsets and the state size of a plan.
 struct Shape {
   int64_t B, T, H, HV, K, V, N;
-  int64_t G;  // gate values per token and value head: K, or 1 for a per-head (scalar) gate
+  int64_t G;       // gate values per token and value head: K, 1 for a per-head (scalar) gate, V per value
+  bool per_value;  // the gate decays the state's value columns, not its key rows
 
   explicit Shape(const core::Plan& plan)
       : B(plan.problem.batch),
@@ -39,7 +41,8 @@ struct Shape {
         K(plan.K),
         V(plan.V),
         N(plan.num_sequences()),
-        G(plan.gate_dim) {}
+        G(plan.gate_dim),
+        per_value(plan.problem.gate_width == GateWidth::per_value) {}
 
   // Where key channel d of a token's gate is: its own value, or the head's one value.
   int64_t gate_index(int64_t d) const { return G == 1 ? 0 : d; }
@@ -83,12 +86,13 @@ inline void check_inputs(const core::Plan& plan, const Inputs& in) {
 struct Token {
   std::vector<double> q, k;  // after the optional L2 norm, [K]
   double rstd_q = 1.0, rstd_k = 1.0;
-  std::vector<double> g;      // log decay (<= 0), [K]
-  std::vector<double> decay;  // exp(g), [K]
-  double beta = 0.0;          // step size after the beta activation
-  const double* v = nullptr;  // [V]
+  std::vector<double> g;        // log decay (<= 0) of each key row, [K]
+  std::vector<double> decay;    // exp(g), [K]
+  std::vector<double> decay_v;  // a value-channel gate's exp(g) of each value column, [V]; else empty
+  double beta = 0.0;            // step size after the beta activation
+  const double* v = nullptr;    // [V]
 
-  explicit Token(int64_t K) : q(K), k(K), g(K), decay(K) {}
+  explicit Token(const Shape& s) : q(s.K), k(s.K), g(s.K), decay(s.K), decay_v(s.per_value ? s.V : 0) {}
 };
 
 inline double gate_a(const core::Plan& plan, const Inputs& in, int64_t hv) {
@@ -117,7 +121,15 @@ inline void prepare(const core::Plan& plan, const Inputs& in, const Shape& s, in
   const double* graw = in.g.data() + s.g(b, t, hv);
   const double a = gate_a(plan, in, hv);
   const double lb = static_cast<double>(plan.problem.gate_lower_bound);
-  for (int64_t d = 0; d < K; ++d) {
+  if (s.per_value) {  // the key rows keep their values (a factor 1: exact); the columns decay
+    std::fill(tok.g.begin(), tok.g.end(), 0.0);
+    std::fill(tok.decay.begin(), tok.decay.end(), 1.0);
+    for (int64_t j = 0; j < s.V; ++j) {
+      const double bias = in.dt_bias.empty() ? 0.0 : in.dt_bias[hv * s.V + j];
+      tok.decay_v[j] = std::exp(core::gate_forward(plan.problem.gate, graw[j], a, bias, lb));
+    }
+  }
+  for (int64_t d = 0; d < K && !s.per_value; ++d) {
     tok.g[d] = core::gate_forward(plan.problem.gate, graw[s.gate_index(d)], a, gate_bias(in, s, hv, d), lb);
     tok.decay[d] = std::exp(tok.g[d]);
   }
@@ -132,6 +144,8 @@ inline void step(double* S, const Token& tok, int64_t K, int64_t V, double* r) {
     const double e = tok.decay[d];
     double* row = S + d * V;
     for (int64_t j = 0; j < V; ++j) row[j] *= e;
+    if (!tok.decay_v.empty())
+      for (int64_t j = 0; j < V; ++j) row[j] *= tok.decay_v[j];
   }
   for (int64_t j = 0; j < V; ++j) r[j] = 0.0;
   for (int64_t d = 0; d < K; ++d) {

@@ -20,7 +20,7 @@ ForwardResult forward(const Prepared& prepared, const Inputs& in) {
   r.chunk_states.assign(s.states_size(plan.total_chunks), 0.0);
 
   std::vector<double> S(static_cast<size_t>(KV)), scratch(static_cast<size_t>(V));
-  detail::Token tok(K);
+  detail::Token tok(s);
   for (int64_t n = 0; n < s.N; ++n) {
     const core::Sequence& seq = plan.sequences[n];
     for (int64_t hv = 0; hv < HV; ++hv) {
