@@ -368,10 +368,11 @@ class Call:
 
     # -- checks every rank makes of its own arguments
 
-    def begin(self, family, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias):
+    def begin(self, family, tensors, output_final_state, cu_seqlens):
         """fla's CP restrictions and the context's agreement with this rank's arguments (a call of the
-        operator family ``family``, kda._family); returns the rank-local offsets (which replace
-        cu_seqlens, as in fla)."""
+        operator family ``family``, kda._family; ``tensors``: q, k, v, g, beta, A_log, dt_bias,
+        initial_state); returns the rank-local offsets (which replace cu_seqlens, as in fla)."""
+        q, k, v, g, beta, A_log, dt_bias, initial_state = tensors
         c = self.context
         if q.dim() == 4 and q.shape[0] != 1:
             raise _error(

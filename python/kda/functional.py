@@ -157,16 +157,14 @@ def chunk_kda(
     gate = gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, "chunk_kda")
     if gate == "log_decay":
         A_log = dt_bias = None
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     if cp_context is not None:
         if pooled or return_intermediate_states:
             raise NotImplementedError(
                 "kda: cp_context does not take a state pool (ssm_state_indices) or return_intermediate_states"
             )
-        cu_seqlens = cp_context.begin(
-            KDA, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
-        )
+        cu_seqlens = cp_context.begin(KDA, tensors, output_final_state, cu_seqlens)
     flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
     path = chunk_path(kwargs, pooled, cp_context)
     keep = return_intermediate_states
@@ -174,10 +172,8 @@ def chunk_kda(
     if pooled:
         if return_intermediate_states:
             raise NotImplementedError("kda: return_intermediate_states is not available with a state pool")
-        call.indices, call.has_initial_state = (
-            kwargs.get("ssm_state_indices"),
-            kwargs.get("has_initial_state"),
-        )
+        call.indices = kwargs.get("ssm_state_indices")
+        call.has_initial_state = kwargs.get("has_initial_state")
         return pooled_prefill(call)
 
     if return_intermediate_states:

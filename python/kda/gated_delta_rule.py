@@ -120,23 +120,19 @@ def chunk_gated_delta_rule(
     if gate == "log_decay":
         A_log = dt_bias = None
     pooled = "ssm_state_indices" in kwargs or "has_initial_state" in kwargs
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     if cp_context is not None:
         if pooled:
             raise NotImplementedError("kda: cp_context does not take a state pool (ssm_state_indices)")
-        cu_seqlens = cp_context.begin(
-            GDN, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, A_log, dt_bias
-        )
+        cu_seqlens = cp_context.begin(GDN, tensors, output_final_state, cu_seqlens)
     flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     problem = problem_of(GDN, q, cu_seqlens, gate, None, flags)
     path = chunk_path(kwargs, pooled, cp_context)
     function = "chunk_gated_delta_rule"
     call = Call(GDN, function, path, tensors, problem, output_final_state, q.dtype, cp=cp_context)
     if pooled:
-        call.indices, call.has_initial_state = (
-            kwargs.get("ssm_state_indices"),
-            kwargs.get("has_initial_state"),
-        )
+        call.indices = kwargs.get("ssm_state_indices")
+        call.has_initial_state = kwargs.get("has_initial_state")
         return pooled_prefill(call)
     return run(call)[:2]
 

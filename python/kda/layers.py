@@ -5,7 +5,8 @@ and ``torch_recurrent_gated_delta_rule`` (mapped as ``chunk_gated_delta_rule`` a
 ``fused_recurrent_gated_delta_rule``).
 
 ``kernels`` requires a layer without ``__init__``, with no members besides ``has_backward`` and
-``can_torch_compile``, whose ``forward`` has the arguments of the function it replaces. Register them
+``can_torch_compile``, whose ``forward`` has the arguments of the function it replaces; the layers
+of both families are made by one factory per kind (chunked, token by token). Register them
 with ``kernels.register_kernel_mapping`` (see the README) and call ``model.set_use_kernels(True)``.
 """
 
@@ -15,11 +16,9 @@ from . import gated_delta_rule as _gdn
 from .functional import chunk_kda, fused_recurrent_kda
 
 
-class ChunkKimiDeltaAttention(nn.Module):
-    """Prefill and multi-token steps: kda's chunked op (forward and backward)."""
-
-    has_backward = True
-    can_torch_compile = True
+def _chunk_layer(name, function, doc):
+    """A chunked layer over ``function`` (chunk_kda or chunk_gated_delta_rule), with the arguments of
+    transformers' torch fallbacks of both families."""
 
     def forward(
         self,
@@ -34,9 +33,10 @@ class ChunkKimiDeltaAttention(nn.Module):
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
-        # transformers' fallback ignores its other keyword arguments (attention plumbing) and so does
-        # this layer, except packed sequences, which kda keeps apart as fla does.
-        return chunk_kda(
+        # transformers' fallbacks ignore their other keyword arguments (attention plumbing) and so does
+        # this layer, except packed sequences, which kda keeps apart as fla does. The output comes
+        # back in the query's dtype and the state in float32, as the fallbacks return them.
+        return function(
             query,
             key,
             value,
@@ -49,81 +49,31 @@ class ChunkKimiDeltaAttention(nn.Module):
             chunk_size=chunk_size,
         )
 
-
-class RecurrentKimiDeltaAttention(nn.Module):
-    """One-token decode steps with a cached state: kda's recurrent op."""
-
-    has_backward = True
-    can_torch_compile = True
-
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        g,
-        beta,
-        initial_state,
-        output_final_state,
-        use_qk_l2norm_in_kernel=False,
-        **kwargs,
-    ):
-        o, state = fused_recurrent_kda(
-            query,
-            key,
-            value,
-            g,
-            beta,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=kwargs.get("cu_seqlens"),
-        )
-        return o.to(query.dtype), state  # the fallback returns the query's dtype
+    members = dict(
+        __doc__=doc, __module__=__name__, has_backward=True, can_torch_compile=True, forward=forward
+    )
+    return type(name, (nn.Module,), members)
 
 
-class ChunkGatedDeltaRule(nn.Module):
-    """The gated delta rule's prefill, training and multi-token steps: kda's chunked op with the
-    per-head gate (forward and backward). The models pass q and k already expanded to the value heads,
-    g as the log decay [B, T, HV] and beta after its sigmoid."""
-
-    has_backward = True
-    can_torch_compile = True
-
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        g,
-        beta,
-        chunk_size=64,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=False,
-        **kwargs,
-    ):
-        # Like the fallback, the output comes back in the query's dtype and the state in float32;
-        # of the other keyword arguments only packed sequences (cu_seqlens) are honoured.
-        return _gdn.chunk_gated_delta_rule(
-            query,
-            key,
-            value,
-            g,
-            beta,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=kwargs.get("cu_seqlens"),
-            chunk_size=chunk_size,
-        )
+ChunkKimiDeltaAttention = _chunk_layer(
+    "ChunkKimiDeltaAttention",
+    chunk_kda,
+    "Prefill and multi-token steps: kda's chunked op (forward and backward).",
+)
+ChunkGatedDeltaRule = _chunk_layer(
+    "ChunkGatedDeltaRule",
+    _gdn.chunk_gated_delta_rule,
+    "The gated delta rule's prefill, training and multi-token steps: kda's chunked op with the "
+    "per-head gate (forward and backward). The models pass q and k already expanded to the value "
+    "heads, g as the log decay [B, T, HV] and beta after its sigmoid.",
+)
 
 
-class RecurrentGatedDeltaRule(nn.Module):
-    """The gated delta rule's one-token decode steps with a cached state: kda's recurrent op."""
-
-    has_backward = True
-    can_torch_compile = True
+def _recurrent_layer(name, function, doc, state_required):
+    """A token-by-token layer over ``function`` (fused_recurrent_kda or
+    fused_recurrent_gated_delta_rule). ``state_required``: the replaced fallback takes initial_state
+    and output_final_state without defaults (transformers' Kimi Linear's does, its gated delta rule
+    models' do not)."""
 
     def forward(
         self,
@@ -137,7 +87,7 @@ class RecurrentGatedDeltaRule(nn.Module):
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
-        o, state = _gdn.fused_recurrent_gated_delta_rule(
+        o, state = function(
             query,
             key,
             value,
@@ -148,7 +98,28 @@ class RecurrentGatedDeltaRule(nn.Module):
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             cu_seqlens=kwargs.get("cu_seqlens"),
         )
-        return o.to(query.dtype), state  # the fallback returns the query's dtype
+        return o.to(query.dtype), state  # the fallbacks return the query's dtype
+
+    if state_required:
+        forward.__defaults__ = forward.__defaults__[-1:]  # only use_qk_l2norm_in_kernel keeps its default
+    members = dict(
+        __doc__=doc, __module__=__name__, has_backward=True, can_torch_compile=True, forward=forward
+    )
+    return type(name, (nn.Module,), members)
+
+
+RecurrentKimiDeltaAttention = _recurrent_layer(
+    "RecurrentKimiDeltaAttention",
+    fused_recurrent_kda,
+    "One-token decode steps with a cached state: kda's recurrent op.",
+    state_required=True,
+)
+RecurrentGatedDeltaRule = _recurrent_layer(
+    "RecurrentGatedDeltaRule",
+    _gdn.fused_recurrent_gated_delta_rule,
+    "The gated delta rule's one-token decode steps with a cached state: kda's recurrent op.",
+    state_required=False,
+)
 
 
 # The layer names a kernel mapping refers to (those of the functions they replace; the gated delta
