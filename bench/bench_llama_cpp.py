@@ -117,6 +117,8 @@ def bench_models(a):
     )
     print(header)
     for gguf in sorted(models.glob("*.gguf")):
+        if a.select and gguf.stem not in a.select.split(","):
+            continue
         name, weights = gguf.stem.rsplit("-", 1)
         shares = {}
         for kind, n in MODEL_TESTS:
@@ -175,6 +177,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds of the op alone")
     parser.add_argument("--model-rounds", type=int, default=3, help="alternated llama-bench rounds")
     parser.add_argument("--share-repeat", type=int, default=3, help="repeats of each op-share run")
+    parser.add_argument("--select", default="", help="models to run, e.g. qwen3_5-f16,kimi_linear-q8_0")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args()
     for binary in ("kda_ggml_op_bench", "kda_llama_op_share"):
