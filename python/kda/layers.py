@@ -17,8 +17,8 @@ from .functional import chunk_kda, fused_recurrent_kda
 
 
 def _chunk_layer(name, function, doc):
-    """A chunked layer over ``function`` (chunk_kda or chunk_gated_delta_rule), with the arguments of
-    transformers' torch fallbacks of both families."""
+    """A chunked layer over ``function()`` (chunk_kda or chunk_gated_delta_rule, looked up on each
+    call), with the arguments of transformers' torch fallbacks of both families."""
 
     def forward(
         self,
@@ -36,7 +36,7 @@ def _chunk_layer(name, function, doc):
         # transformers' fallbacks ignore their other keyword arguments (attention plumbing) and so does
         # this layer, except packed sequences, which kda keeps apart as fla does. The output comes
         # back in the query's dtype and the state in float32, as the fallbacks return them.
-        return function(
+        return function()(
             query,
             key,
             value,
@@ -57,12 +57,12 @@ def _chunk_layer(name, function, doc):
 
 ChunkKimiDeltaAttention = _chunk_layer(
     "ChunkKimiDeltaAttention",
-    chunk_kda,
+    lambda: chunk_kda,
     "Prefill and multi-token steps: kda's chunked op (forward and backward).",
 )
 ChunkGatedDeltaRule = _chunk_layer(
     "ChunkGatedDeltaRule",
-    _gdn.chunk_gated_delta_rule,
+    lambda: _gdn.chunk_gated_delta_rule,
     "The gated delta rule's prefill, training and multi-token steps: kda's chunked op with the "
     "per-head gate (forward and backward). The models pass q and k already expanded to the value "
     "heads, g as the log decay [B, T, HV] and beta after its sigmoid.",
@@ -70,10 +70,10 @@ ChunkGatedDeltaRule = _chunk_layer(
 
 
 def _recurrent_layer(name, function, doc, state_required):
-    """A token-by-token layer over ``function`` (fused_recurrent_kda or
-    fused_recurrent_gated_delta_rule). ``state_required``: the replaced fallback takes initial_state
-    and output_final_state without defaults (transformers' Kimi Linear's does, its gated delta rule
-    models' do not)."""
+    """A token-by-token layer over ``function()`` (fused_recurrent_kda or
+    fused_recurrent_gated_delta_rule, looked up on each call). ``state_required``: the replaced
+    fallback takes initial_state and output_final_state without defaults (transformers' Kimi
+    Linear's does, its gated delta rule models' do not)."""
 
     def forward(
         self,
@@ -87,7 +87,7 @@ def _recurrent_layer(name, function, doc, state_required):
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
-        o, state = function(
+        o, state = function()(
             query,
             key,
             value,
@@ -110,13 +110,13 @@ def _recurrent_layer(name, function, doc, state_required):
 
 RecurrentKimiDeltaAttention = _recurrent_layer(
     "RecurrentKimiDeltaAttention",
-    fused_recurrent_kda,
+    lambda: fused_recurrent_kda,
     "One-token decode steps with a cached state: kda's recurrent op.",
     state_required=True,
 )
 RecurrentGatedDeltaRule = _recurrent_layer(
     "RecurrentGatedDeltaRule",
-    _gdn.fused_recurrent_gated_delta_rule,
+    lambda: _gdn.fused_recurrent_gated_delta_rule,
     "The gated delta rule's one-token decode steps with a cached state: kda's recurrent op.",
     state_required=False,
 )

@@ -647,8 +647,8 @@ NB_MODULE(_engine, m) {
   // The problem options, defined once: prepare() is the only function that takes them.
   m.def("prepare", &prepare, nb::arg("q"), nb::arg("v"), nb::arg("cu_seqlens").none() = nb::none(),
         nb::arg("scale").none() = nb::none(), nb::arg("state_v_first") = false, nb::arg("qk_l2norm") = false,
-        nb::arg("gate") = "log_decay", nb::arg("gate_lower_bound") = -5.0f, nb::arg("beta_mode") = "given",
-        nb::arg("gate_width") = "per_key",
+        nb::arg("gate") = "log_decay", nb::arg("gate_lower_bound") = kda::Problem{}.gate_lower_bound,
+        nb::arg("beta_mode") = "given", nb::arg("gate_width") = "per_key",
         "(q, v, cu_seqlens, scale, state_v_first, qk_l2norm, gate, gate_lower_bound, beta_mode, gate_width) "
         "-> Problem: the call's one problem validation.");
 
