@@ -618,15 +618,10 @@ class _Parallel(torch.autograd.Function):
         h0[0] = entering
         keep = bool(plan.call.facts[5])  # a gradient is recorded: keep the chunk states for the backward
         with _timed("local"):
+            named = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
             o, _, chunks = _ops.engine_forward(
                 "chunk",
-                q=q,
-                k=k,
-                v=v,
-                g=g,
-                beta=beta,
-                A_log=A_log,
-                dt_bias=dt_bias,
+                **named,
                 initial_state=h0,
                 options=plan.options,
                 problem=plan.problem,  # validated once, in Call.forward
@@ -682,15 +677,10 @@ def _backward(plan, activations, A_log, dt_bias, h0, chunks, a, b, d_final, want
         chunks = chunks[ca:cb]
     q, k, v, g, beta, d_o = (t[:, a:b] for t in activations)
     with _timed("local"):
+        named = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
         return _ops.engine_backward(
             "chunk",
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta,
-            A_log=A_log,
-            dt_bias=dt_bias,
+            **named,
             initial_state=h0[i:j],
             options=plan.options._replace(cu_seqlens=offsets),
             chunk_states=chunks,

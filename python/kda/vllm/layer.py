@@ -112,18 +112,10 @@ def serve_step(layer, m, mixed_qkv, g1, beta, core_attn_out):
             first = table[fresh, 0]
             conv_state[first[first > 0].long()] = 0
         x = conv.speculative(qkv_s, conv_state, qsl, table[:, 0], accepted)
-        q, k, v = (_heads(t, D) for t in split(x))
+        qkv = [_heads(t, D) for t in split(x)]
+        slots = dict(ssm_state_indices=kda_slots(table), num_accepted_tokens=accepted)
         out_spec, _ = kda.fused_recurrent_kda_fwd(
-            q,
-            k,
-            v,
-            g_s,
-            b_s,
-            initial_state=pool,
-            cu_seqlens=qsl,
-            ssm_state_indices=kda_slots(table),
-            num_accepted_tokens=accepted,
-            **options,
+            *qkv, g_s, b_s, initial_state=pool, cu_seqlens=qsl, **slots, **options
         )
         counts["spec"] += 1
 
@@ -135,18 +127,10 @@ def serve_step(layer, m, mixed_qkv, g1, beta, core_attn_out):
             rows = qsl.shape[0] - 1
             indices, has_initial_state = indices[:rows], m.has_initial_state[:rows]
             x = conv.prefill(qkv_ns, conv_state, qsl, indices, has_initial_state)
-            q, k, v = (_heads(t, D) for t in split(x))
+            qkv = [_heads(t, D) for t in split(x)]
+            slots = dict(ssm_state_indices=kda_slots(indices), has_initial_state=has_initial_state)
             out_ns, _ = kda.chunk_kda(
-                q,
-                k,
-                v,
-                g_ns,
-                b_ns,
-                initial_state=pool,
-                cu_seqlens=qsl,
-                ssm_state_indices=kda_slots(indices),
-                has_initial_state=has_initial_state,
-                **options,
+                *qkv, g_ns, b_ns, initial_state=pool, cu_seqlens=qsl, **slots, **options
             )
             counts["prefill"] += 1
         else:
