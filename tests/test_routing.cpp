@@ -94,6 +94,14 @@ TEST(Validation, OncePerCall) {
   EXPECT_EQ(validation_count(), before);
   chunk_backward(c.p, bin, bout);
   EXPECT_EQ(validation_count() - before, 1);
+
+  // A segment transition runs its pieces on plans derived from the prepared problem's.
+  std::vector<float> M(2 * 8 * 8), S_local(2 * 8 * 4), readout(70 * 2 * 8);
+  ForwardInputs tin = c.in;
+  tin.initial_state = nullptr;
+  before = validation_count();
+  segment_transition(prepared, tin, 0, M.data(), S_local.data(), readout.data());
+  EXPECT_EQ(validation_count(), before) << "a segment transition's pieces are not validated again";
 }
 
 TEST(Shapes, SequencesChunksStatesAndSideTensors) {

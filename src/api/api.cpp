@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "api/run.hpp"
 #include "core/backend.hpp"
 #include "core/plan.hpp"
 
@@ -55,10 +56,15 @@ int64_t num_chunks(const Problem& p) { return prepare(p).shapes().chunks; }
 
 void forward(Entry entry, const Prepared& p, const ForwardInputs& in, const ForwardOutputs& out,
              const RunOptions& opt) {
+  api::forward_plan(entry, p.plan(), in, out, opt);
+}
+
+void api::forward_plan(Entry entry, const core::Plan& problem, const ForwardInputs& in,
+                       const ForwardOutputs& out, const RunOptions& opt) {
   if (entry != Entry::chunk_forward && entry != Entry::recurrent_forward)
     throw Error(std::string("kda: argument 'entry': expected chunk_forward or recurrent_forward, got ") +
                 entry_name(entry));
-  const core::Plan plan = core::plan_forward(p.plan(), in, out);
+  const core::Plan plan = core::plan_forward(problem, in, out);
   const core::Backend& b = core::backend_for(plan);
   switch (core::route(entry, plan, b, opt, out.chunk_states != nullptr).kernel) {
     case KernelId::chunked_forward: return b.chunk_forward(plan, in, out, opt);

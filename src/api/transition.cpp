@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "api/run.hpp"
 #include "core/plan.hpp"
 #include "kda/kda.hpp"
 
@@ -25,6 +26,31 @@ namespace {
 
 [[noreturn]] void fail(const std::string& arg, const std::string& what) {
   throw Error("kda: argument '" + arg + "': " + what);
+}
+
+// The plan of one piece of n tokens: a batch of one sequence whose value rows are augmented to W
+// columns, K-first, derived from the caller's validated plan (what plan_problem would make of the
+// piece's problem, which the plan's own validation already covers).
+core::Plan piece_plan(const core::Plan& plan, int64_t n, int64_t W) {
+  core::Plan piece;
+  piece.problem = plan.problem;
+  piece.problem.batch = 1;
+  piece.problem.seq_len = n;
+  piece.problem.cu_seqlens = {};
+  piece.problem.value_dim = W;
+  piece.problem.state_layout = StateLayout::k_first;
+  piece.problem.scale = plan.exact_scale;
+  piece.scale = plan.scale;
+  piece.exact_scale = plan.exact_scale;
+  piece.H = plan.H;
+  piece.HV = plan.HV;
+  piece.K = plan.K;
+  piece.V = W;
+  piece.group = plan.group;
+  piece.gate_dim = plan.gate_dim;
+  piece.sequences = {core::Sequence{0, 0, n, 0}};
+  piece.total_chunks = (n + kChunkSize - 1) / kChunkSize;
+  return piece;
 }
 
 // A view of the same tensor starting at token t of batch row b (a one-row batch of its tokens).
@@ -48,8 +74,12 @@ void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequ
   if (in.initial_state != nullptr)
     fail("initial_state", "a segment transition starts from zeros and the identity; pass null");
   if (in.pooled_states != nullptr) fail("pooled_states", "not used by a segment transition; pass null");
+  // A decay of the value columns would decay the augmented identity columns too: the map is not
+  // M S_in + S_local in that form.
+  if (plan.problem.gate_width == GateWidth::per_value)
+    fail("gate_width",
+         "segment transitions of a per_value gate (a decay per value channel) are not supported");
 
-  const Problem& prob = plan.problem;
   const core::Sequence& seq = plan.sequences[static_cast<size_t>(sequence)];
   const int64_t HV = plan.HV, K = plan.K, V = plan.V, W = V + K;
   // Pieces of at most ~4 M floats of augmented rows (v and o each), and a whole number of chunks.
@@ -64,14 +94,8 @@ void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequ
   std::vector<float> v_aug, o_aug;
   for (int64_t t0 = 0; t0 < seq.length; t0 += piece) {
     const int64_t n = std::min(piece, seq.length - t0);
-    Problem sp = prob;
-    sp.batch = 1;
-    sp.seq_len = n;
-    sp.cu_seqlens = {};
-    sp.value_dim = W;
-    sp.state_layout = StateLayout::k_first;
-    sp.scale = plan.exact_scale;
-    const Prepared sub = prepare(sp);
+    const core::Plan sub = piece_plan(plan, n, W);
+    const Problem& sp = sub.problem;
     v_aug.assign(static_cast<size_t>(n * HV * W), 0.0f);
     o_aug.resize(v_aug.size());
     for (int64_t t = 0; t < n; ++t)
@@ -89,7 +113,7 @@ void segment_transition(const Prepared& p, const ForwardInputs& in, int64_t sequ
     ForwardOutputs sout;
     sout.o = make_output(o_aug.data(), DType::f32, sp, HV, W);
     sout.final_state = next.data();
-    forward(Entry::chunk_forward, sub, sin, sout, opt);
+    api::forward_plan(Entry::chunk_forward, sub, sin, sout, opt);
     state.swap(next);
     // The readout: the X columns of o, [token][HV][K].
     if (readout != nullptr)
