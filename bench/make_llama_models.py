@@ -17,14 +17,12 @@ writes OUT_DIR/NAME-f16.gguf and OUT_DIR/NAME-q8_0.gguf, and skips files that ex
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "ggml"))
 import make_models  # noqa: E402  (sets up transformers without fla)
 import torch  # noqa: E402
-import transformers  # noqa: E402
 
 OUTTYPES = ("f16", "q8_0")
 LAYERS = ["linear_attention"] * 3 + ["full_attention"]
@@ -81,33 +79,9 @@ def make(name: str, llama_cpp: Path, out: Path):
         return
     config_name, model_name, extra = MODELS[name]
     folder = out / name
-    eos = make_models.write_tokenizer(llama_cpp, "gpt-2", folder)
-    vocab_size = len(make_models.vocabulary(llama_cpp, "gpt-2")[0])
-    config = getattr(transformers, config_name)(
-        **extra, vocab_size=vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
-    model.save_pretrained(folder, safe_serialization=True)
-    del model
-    if name == "kimi_linear":
-        make_models.remote_code_keys(folder, config)
-    mtp = ["--no-mtp"] if name.startswith("qwen") else []
+    make_models.checkpoint(llama_cpp, folder, config_name, model_name, extra, "gpt-2", torch.bfloat16)
     for outtype, gguf_file in zip(OUTTYPES, files, strict=True):
-        command = [
-            sys.executable,
-            str(llama_cpp / "convert_hf_to_gguf.py"),
-            str(folder),
-            "--outtype",
-            outtype,
-        ]
-        done = subprocess.run([*command, *mtp, "--outfile", str(gguf_file)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"convert_hf_to_gguf.py failed on {name} ({outtype}):\n{done.stderr[-4000:]}")
+        make_models.convert(llama_cpp, folder, outtype, gguf_file)
 
 
 def main():

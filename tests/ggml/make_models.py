@@ -173,37 +173,46 @@ def remote_code_keys(folder: Path, config):
     config_file.write_text(json.dumps(keys, indent=2))
 
 
-def make(name: str, llama_cpp: Path, out: Path):
-    config_name, model_name, extra, vocabulary_name = MODELS[name]
-    folder = out / name
+def checkpoint(llama_cpp: Path, folder: Path, config_name, model_name, extra, vocabulary_name, dtype):
+    """A randomly initialised transformers model (seed 0) with its tokenizer, saved in `folder` as a
+    checkpoint llama.cpp's converter reads; returns (model, end-of-text id). The gates' A_log and
+    dt_bias are drawn from U(-1, 1): the random init leaves them at their defaults."""
     eos = write_tokenizer(llama_cpp, vocabulary_name, folder)
     vocab_size = len(vocabulary(llama_cpp, vocabulary_name)[0])
     config = getattr(transformers, config_name)(
         **extra, vocab_size=vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos
     )
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).float().eval()
-    if "num_experts" in extra or "num_local_experts" in extra:
-        model.set_experts_implementation("eager")
-    with torch.no_grad():  # the random init leaves the gates' parameters at their defaults: vary them
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
+    with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith(("A_log", "dt_bias")):
                 p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
     model.save_pretrained(folder, safe_serialization=True)
-    if name == "kimi_linear":
+    if config_name == "KimiLinearConfig":
         remote_code_keys(folder, config)
-    gguf_file = out / f"{name}.gguf"
-    # The Qwen models' converters export a multi-token prediction head unless told not to.
-    mtp = ["--no-mtp"] if name.startswith("qwen") else []
-    command = [
-        sys.executable,
-        str(llama_cpp / "convert_hf_to_gguf.py"),
-        str(folder),
-        "--outtype",
-        "f32",
-        *mtp,
-    ]
-    subprocess.run([*command, "--outfile", str(gguf_file)], check=True, stdout=subprocess.DEVNULL)
+    return model, eos
+
+
+def convert(llama_cpp: Path, folder: Path, outtype: str, gguf_file: Path):
+    """The checkpoint in `folder` as a GGUF file, by llama.cpp's own convert_hf_to_gguf.py; the Qwen
+    models' converters would also export a multi-token prediction head unless told not to."""
+    config = json.loads((folder / "config.json").read_text())
+    mtp = ["--no-mtp"] if config["model_type"].startswith("qwen") else []
+    command = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype]
+    done = subprocess.run([*command, *mtp, "--outfile", str(gguf_file)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed on {folder} ({outtype}):\n{done.stderr[-4000:]}")
+
+
+def make(name: str, llama_cpp: Path, out: Path):
+    config_name, model_name, extra, vocabulary_name = MODELS[name]
+    model, eos = checkpoint(
+        llama_cpp, out / name, config_name, model_name, extra, vocabulary_name, torch.float32
+    )
+    if "num_experts" in extra or "num_local_experts" in extra:
+        model.set_experts_implementation("eager")
+    convert(llama_cpp, out / name, "f32", out / f"{name}.gguf")
     ids = prompt_ids()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].numpy()
