@@ -108,6 +108,6 @@ def test_no_backward_yet():
 def test_a_malformed_gv_is_named():
     q, k, v, gv, beta, _ = _inputs()
     for bad in (gv[..., :-1], gv[..., 0], gv[None]):
-        with pytest.raises(ValueError, match="'?gv'?"):
+        with pytest.raises(ValueError, match="'?gv'? must"):
             kda.fused_recurrent_gated_delta_rule(q, k, v, gv=bad.contiguous(), beta=beta)
     assert GV.gate_shape(2, 37, 2, 8, 6) == (2, 37, 2, 6)
