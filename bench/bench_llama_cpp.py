@@ -11,9 +11,14 @@ heads, 32 value heads, S = 128, scalar gate) and Kimi Linear's (32 heads, S = 12
      build/kda_llama_op_share (each node timed alone through the scheduler's evaluation callback;
      the run's time from llama.cpp's own counters), and the end-to-end speed-up that share predicts,
      1 / (1 - share + share / op speed-up);
-  2. llama-bench pp512, pp2048 and tg128, stock and with the backend, in alternated rounds, tokens
-     per second as medians of every sample: the measured speed-up, and the fraction of the predicted
-     gain it reaches.
+  2. llama-bench pp512, pp2048 and tg128, stock and with the backend, in alternated rounds: tokens
+     per second as medians of every sample;
+  3. the measured speed-up, from pairs: build/kda_llama_paired runs the same test in two processes,
+     stock and with the backend, one run each in turn (the order alternating), so the two runs of a
+     pair are seconds apart and a change of the machine's speed reaches both. The speed-up is the
+     median of the pairs' ratios (with its quartiles), and the fraction of the predicted gain it
+     reaches. (Separate llama-bench rounds differed by 0.84x to 1.29x on this VM with nothing
+     changed but the time, more than the 3-7% the share predicts.)
 
     python bench/bench_llama_cpp.py [--op] [--models] [--threads 2] [--rounds 7] [--json]
 
@@ -97,6 +102,37 @@ def llama_bench(binary, model, threads, repetitions, env):
     return samples
 
 
+def paired(model, kind, tokens, threads, pairs):
+    """Times (ms) of `pairs` runs stock and with kda's backend, the two processes taking turns."""
+    flag = "--prompt" if kind == "pp" else "--generate"
+    args = [str(BUILD / "kda_llama_paired"), str(model), flag, str(tokens), "--threads", str(threads)]
+    sides = {}
+    for label, env in (("stock", STOCK), ("kda", KDA_BACKEND)):
+        sides[label] = subprocess.Popen(
+            args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+    try:
+        for side in sides.values():
+            if side.stdout.readline().strip() != "ready":
+                raise SystemExit(f"kda_llama_paired did not start on {model}")
+        times = {"stock": [], "kda": []}
+        for i in range(pairs):
+            for label in ("stock", "kda") if i % 2 == 0 else ("kda", "stock"):
+                sides[label].stdin.write("run\n")
+                sides[label].stdin.flush()
+                times[label].append(float(sides[label].stdout.readline()))
+        return times
+    finally:
+        for side in sides.values():
+            side.stdin.close()
+            side.wait()
+
+
+def quartiles(values):
+    q = statistics.quantiles(values, n=4)
+    return q[0], statistics.median(values), q[2]
+
+
 def bench_models(a):
     source, build = llama_cpp_paths()
     binary = build / "bin" / "llama-bench"
@@ -109,42 +145,47 @@ def bench_models(a):
     )
     print(f"\nEnd to end, {a.threads} threads. GATED_DELTA_NET's share: kda_llama_op_share, medians of")
     print(
-        f"{a.share_repeat}; llama-bench tokens/s: medians of {a.model_rounds} alternated rounds x 2 samples"
+        f"{a.share_repeat}; llama-bench tokens/s: medians of {a.model_rounds} alternated rounds x 2 samples; "
+        f"measured: the median (quartiles) of {a.pairs} paired runs' speed-ups"
     )
     header = (
         f"{'model':<12} {'weights':<7} {'test':<7} {'op share':>8} {'op x':>6} {'predicted':>9} "
-        f"{'stock t/s':>9} {'kda t/s':>9} {'measured':>8} {'of gain':>7}"
+        f"{'stock t/s':>9} {'kda t/s':>9} {'measured':>8} {'quartiles':>13} {'of gain':>7}"
     )
     print(header)
     for gguf in sorted(models.glob("*.gguf")):
         if a.select and gguf.stem not in a.select.split(","):
             continue
         name, weights = gguf.stem.rsplit("-", 1)
-        shares = {}
-        for kind, n in MODEL_TESTS:
-            stock = op_share(gguf, kind, n, a.threads, a.share_repeat, STOCK)
-            kda = op_share(gguf, kind, n, a.threads, a.share_repeat, KDA_BACKEND)
-            if a.json:
-                print(json.dumps(stock))
-                print(json.dumps(kda))
-            total = statistics.median(stock["plain_ms"])
-            op_stock = stock["ops"]["GATED_DELTA_NET"]["ms"]
-            op_kda = kda["ops"]["GATED_DELTA_NET"]["ms"]
-            shares[f"{kind}{n}"] = (op_stock / total, op_stock / op_kda)
         samples = {"stock": {}, "kda": {}}
         for _ in range(a.model_rounds):
             for label, env in (("stock", STOCK), ("kda", KDA_BACKEND)):
                 for test, values in llama_bench(binary, gguf, a.threads, 2, env).items():
                     samples[label].setdefault(test, []).extend(values)
-        for test, (share, speedup) in shares.items():
+        for kind, n in MODEL_TESTS:
+            test = f"{kind}{n}"
+            stock = op_share(gguf, kind, n, a.threads, a.share_repeat, STOCK)
+            kda = op_share(gguf, kind, n, a.threads, a.share_repeat, KDA_BACKEND)
+            pairs = paired(gguf, kind, n, a.threads, a.pairs)
+            if a.json:
+                print(json.dumps(stock))
+                print(json.dumps(kda))
+                print(json.dumps({"model": gguf.name, "test": test, "paired_ms": pairs}))
+            total = statistics.median(stock["plain_ms"])
+            op_stock = stock["ops"]["GATED_DELTA_NET"]["ms"]
+            share, speedup = op_stock / total, op_stock / kda["ops"]["GATED_DELTA_NET"]["ms"]
             predicted = 1.0 / (1.0 - share + share / speedup)
-            stock_ts = statistics.median(samples["stock"][test])
-            kda_ts = statistics.median(samples["kda"][test])
-            measured = kda_ts / stock_ts
+            low, measured, high = quartiles(
+                [s / k for s, k in zip(pairs["stock"], pairs["kda"], strict=True)]
+            )
             gain = (measured - 1.0) / (predicted - 1.0) if predicted > 1.0 else float("nan")
+            rates = [
+                statistics.median(samples[label][test]) if test in samples[label] else float("nan")
+                for label in ("stock", "kda")
+            ]
             print(
                 f"{name:<12} {weights:<7} {test:<7} {share:>7.1%} {speedup:>5.2f}x {predicted:>8.3f}x "
-                f"{stock_ts:>9.2f} {kda_ts:>9.2f} {measured:>7.3f}x {gain:>6.0%}",
+                f"{rates[0]:>9.2f} {rates[1]:>9.2f} {measured:>7.3f}x {low:>5.3f}-{high:>5.3f}x {gain:>6.0%}",
                 flush=True,
             )
         if a.json:
@@ -177,10 +218,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds of the op alone")
     parser.add_argument("--model-rounds", type=int, default=3, help="alternated llama-bench rounds")
     parser.add_argument("--share-repeat", type=int, default=3, help="repeats of each op-share run")
+    parser.add_argument("--pairs", type=int, default=15, help="paired runs, stock and kda, per test")
     parser.add_argument("--select", default="", help="models to run, e.g. qwen3_5-f16,kimi_linear-q8_0")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args()
-    for binary in ("kda_ggml_op_bench", "kda_llama_op_share"):
+    for binary in ("kda_ggml_op_bench", "kda_llama_op_share", "kda_llama_paired"):
         if not (BUILD / binary).exists():
             raise SystemExit(f"build/{binary} is missing: run scripts/setup_llama_cpp.sh")
     if a.op or not a.models:

@@ -14,24 +14,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "ggml-backend.h"
 #include "ggml.h"
-#include "llama.h"
+#include "llama_runs.hpp"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-[[noreturn]] void die(const std::string& message) {
-  std::fprintf(stderr, "kda_llama_op_share: %s\n", message.c_str());
-  std::exit(2);
-}
+using kda_bench::Clock;
 
 // The evaluation callback's record: the time since the last node finished, per op.
 struct NodeTimes {
@@ -66,98 +58,32 @@ double median(std::vector<double> values) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) die("usage: kda_llama_op_share MODEL.gguf (--prompt N | --generate N) [--threads T] ...");
-  const std::string model_path = argv[1];
-  int prompt = 0, generate = 0, threads = 2, ubatch = 512, repeat = 3;
-  for (int i = 2; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    const int value = std::atoi(argv[i + 1]);
-    if (flag == "--prompt")
-      prompt = value;
-    else if (flag == "--generate")
-      generate = value;
-    else if (flag == "--threads")
-      threads = value;
-    else if (flag == "--ubatch")
-      ubatch = value;
-    else if (flag == "--repeat")
-      repeat = value;
-    else
-      die("unknown flag " + flag);
-  }
-  if ((prompt > 0) == (generate > 0)) die("give one of --prompt N and --generate N, N > 0");
-  if (threads < 1 || ubatch < 1 || repeat < 1) die("--threads, --ubatch and --repeat take positive counts");
-
-  ggml_backend_load_all_from_path(KDA_LLAMA_CPP_BIN);
-  llama_backend_init();
-  llama_model* model = llama_model_load_from_file(model_path.c_str(), llama_model_default_params());
-  if (model == nullptr) die("cannot load " + model_path);
-  const int vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-  const int tokens = prompt > 0 ? prompt : generate;
+  int repeat = 3;
+  const kda_bench::TestOptions o =
+      kda_bench::parse_test_options("kda_llama_op_share", argc, argv, {{"--repeat", &repeat}});
+  if (repeat < 1) kda_bench::die("kda_llama_op_share", "--repeat takes a positive count");
+  llama_model* model = kda_bench::load_model("kda_llama_op_share", o.model);
+  kda_bench::TestRun test(model, o);
 
   NodeTimes times;
-  auto make_context = [&](bool node_by_node) {
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = static_cast<uint32_t>(tokens + 16);
-    cp.n_batch = static_cast<uint32_t>(std::max(prompt, 1));
-    cp.n_ubatch = static_cast<uint32_t>(std::min(ubatch, std::max(prompt, 1)));
-    cp.n_threads = cp.n_threads_batch = threads;
-    cp.no_perf = false;  // keep llama.cpp's own counters
-    if (node_by_node) {
-      cp.cb_eval = on_node;
-      cp.cb_eval_user_data = &times;
-    }
-    llama_context* ctx = llama_init_from_model(model, cp);
-    if (ctx == nullptr) die("cannot create a context");
-    return ctx;
-  };
-
-  std::mt19937 rng(11);
-  std::uniform_int_distribution<int> pick(0, vocab - 1);
-  std::vector<llama_token> ids(static_cast<size_t>(tokens));
-  for (llama_token& t : ids) t = pick(rng);
-  llama_batch batch = llama_batch_init(std::max(prompt, 1), 0, 1);
-
-  // One run from an empty context; returns its wall time in ms.
-  auto run = [&](llama_context* ctx) {
-    llama_memory_clear(llama_get_memory(ctx), true);
-    const Clock::time_point t0 = Clock::now();
-    const int steps = prompt > 0 ? 1 : generate;
-    for (int step = 0; step < steps; ++step) {
-      const int n = prompt > 0 ? prompt : 1;
-      batch.n_tokens = n;
-      for (int i = 0; i < n; ++i) {
-        batch.token[i] = ids[static_cast<size_t>(step + i)];
-        batch.pos[i] = step + i;
-        batch.n_seq_id[i] = 1;
-        batch.seq_id[i][0] = 0;
-        batch.logits[i] = i == n - 1;
-      }
-      if (llama_decode(ctx, batch) != 0) die("llama_decode failed");
-    }
-    llama_synchronize(ctx);
-    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  };
-
-  llama_context* plain = make_context(false);
-  llama_context* by_node = make_context(true);
-  run(plain);  // warm-up: the first touch of the weights' pages
+  llama_context* plain = test.context(model);
+  llama_context* by_node = test.context(model, on_node, &times);
+  test.run(plain);  // warm-up: the first touch of the weights' pages
   std::vector<double> counted, node_totals;
   std::map<std::string, std::vector<double>> op_ms;
   std::map<std::string, int> op_count;
   for (int r = 0; r < repeat; ++r) {
     llama_perf_context_reset(plain);
-    run(plain);
-    const llama_perf_context_data perf = llama_perf_context(plain);
-    counted.push_back(prompt > 0 ? perf.t_p_eval_ms : perf.t_eval_ms + perf.t_p_eval_ms);
+    test.run(plain);
+    counted.push_back(test.counted_ms(plain));
     times.start();
-    node_totals.push_back(run(by_node));
+    node_totals.push_back(test.run(by_node));
     for (const auto& [op, ms] : times.ms) op_ms[op].push_back(ms);
     op_count = times.count;
   }
 
-  std::printf("{\"model\": \"%s\", \"test\": \"%s%d\", \"threads\": %d, \"plain_ms\": [", model_path.c_str(),
-              prompt > 0 ? "pp" : "tg", tokens, threads);
+  std::printf("{\"model\": \"%s\", \"test\": \"%s\", \"threads\": %d, \"plain_ms\": [", o.model.c_str(),
+              test.name().c_str(), o.threads);
   for (size_t i = 0; i < counted.size(); ++i) std::printf("%s%.3f", i ? ", " : "", counted[i]);
   std::printf("], \"node_by_node_ms\": %.3f, \"ops\": {", median(node_totals));
   bool first = true;
@@ -167,7 +93,6 @@ int main(int argc, char** argv) {
     first = false;
   }
   std::printf("}}\n");
-  llama_batch_free(batch);
   llama_free(by_node);
   llama_free(plain);
   llama_model_free(model);
