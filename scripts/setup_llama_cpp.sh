@@ -71,7 +71,8 @@ fi
 # itself is not compiled a second time.
 echo "== kda: the ggml backend (build/libggml-kda.so)"
 cmake --preset release -DKDA_BUILD_GGML=ON -DKDA_LLAMA_CPP_SOURCE="$src" -DKDA_LLAMA_CPP_BUILD="$build" >/dev/null
-cmake --build --preset release -j "$jobs" --target ggml-kda kda_llama_logits kda_ggml_op_bench kda_llama_op_share
+cmake --build --preset release -j "$jobs" --target ggml-kda kda_llama_logits kda_ggml_op_bench kda_llama_op_share \
+  kda_llama_paired
 cat > build/llama_cpp.env <<ENV
 KDA_LLAMA_CPP_SOURCE=$src
 KDA_LLAMA_CPP_BUILD=$build
