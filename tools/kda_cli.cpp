@@ -50,9 +50,11 @@ constexpr const char* kUsage = R"(usage: kda [check|bench|decode|route|targets] 
                  state read from its slot and written back in place) for K-first and V-first
                  pools of fp32 and bf16 states; prints the median microseconds per step, tokens/s
                  and the state bandwidth reached.
-  kda route      which kernel every entry point runs for a shape, on which backend, and why (the
-                 one routing rule, kda::route; --B --T --H --K --V, default a decode step and a
-                 Kimi Linear prefill); then the CPU kernels' tuning table (src/cpu/tuning.hpp)
+  kda route      the compiled backends (kda::backends), then which kernel every entry point runs
+                 for a shape, on which backend, and why (the one routing rule, kda::route;
+                 --B --T --H --K --V, default a decode step and a Kimi Linear prefill; --backend NAME:
+                 on that backend, as RunOptions::backend names it); then the CPU kernels' tuning
+                 table (src/cpu/tuning.hpp)
   kda targets    the SIMD targets of this build that this CPU runs, best first, one per line
                  (KDA_CPU_TARGET=NAME pins one for every command)
   kda --help     this text
@@ -112,6 +114,7 @@ struct Options {
   bool baseline = true;  // decode: also time gather / recurrent_forward / scatter
   std::vector<std::string> layouts{"k", "v"}, pool_dtypes{"f32", "bf16"};
   std::vector<std::string> gates{"key", "head"};  // bench, decode: gate widths (KDA, gated delta rule)
+  std::string backend;                            // route: the backend named (empty: automatic)
 };
 
 [[noreturn]] void usage_error(const std::string& message) { kda_demo::usage_error("kda", message); }
@@ -183,7 +186,10 @@ Options parse(int argc, char** argv) {
       o.calls = parse_positive(flag, value);
     else if (flag == "--slots")
       o.slots = parse_positive(flag, value);
-    else if (flag == "--layout" || flag == "--pool-dtype" || flag == "--gate") {
+    else if (flag == "--backend") {
+      if (o.command != "route") usage_error("--backend is an option of route");
+      o.backend = value;
+    } else if (flag == "--layout" || flag == "--pool-dtype" || flag == "--gate") {
       auto& list = flag == "--layout" ? o.layouts : flag == "--gate" ? o.gates : o.pool_dtypes;
       list.clear();
       for (const std::string& item : split_list(value)) {
@@ -776,6 +782,12 @@ void print_tuning() {
 
 // Prints, for each shape, what every entry point runs (chunk states kept or not where that matters).
 int run_route(const Options& o) {
+  std::printf(
+      "backends: %s (RunOptions::backend names one; a call naming none runs on the first that "
+      "runs it and is picked automatically)\n",
+      join(kda::backends()).c_str());
+  kda::RunOptions named;
+  if (!o.backend.empty()) named.backend = o.backend.c_str();
   std::vector<std::pair<int64_t, int64_t>> shapes;  // (B, T)
   if (o.B || o.T)
     shapes.emplace_back(o.B.value_or(1), o.T.value_or(8192));
@@ -797,7 +809,7 @@ int run_route(const Options& o) {
         {kda::Entry::recurrent_forward, false},  {kda::Entry::chunk_backward, true},
         {kda::Entry::recurrent_backward, false}, {kda::Entry::decode, false}};
     for (const auto& [entry, chunk_states] : calls) {
-      const kda::Route r = kda::route(entry, prepared, {}, chunk_states);
+      const kda::Route r = kda::route(entry, prepared, named, chunk_states);
       const std::string name =
           std::string(kda::entry_name(entry)) +
           (entry == kda::Entry::chunk_forward ? (chunk_states ? " (training)" : " (prefill)") : "");
@@ -805,9 +817,15 @@ int run_route(const Options& o) {
                   r.reason);
     }
     // The opt-in bf16 products (RunOptions::precision) and the unit they run on here.
-    kda::RunOptions bf16;
+    kda::RunOptions bf16 = named;
     bf16.precision = kda::Precision::bf16;
-    const kda::Route r = kda::route(kda::Entry::chunk_forward, prepared, bf16, false);
+    kda::Route r{};
+    try {
+      r = kda::route(kda::Entry::chunk_forward, prepared, bf16, false);
+    } catch (const kda::Error& e) {
+      std::printf("  %-30s -> refused: %s\n", "chunk_forward, precision bf16", e.what());
+      continue;
+    }
     std::printf("  %-30s -> %-20s [%s] %s; unit %s (of %s)\n", "chunk_forward, precision bf16",
                 kda::kernel_name(r.kernel), r.backend, r.reason, kda::bf16_product_unit(),
                 join(kda::bf16_product_units()).c_str());

@@ -311,7 +311,16 @@ struct RunOptions {
   Context* context = nullptr;  // null: Context::global()
   ForwardKernel forward_kernel = ForwardKernel::automatic;  // chunk_forward only
   Precision precision = Precision::exact;  // chunk_forward only; bf16 runs the chunked kernel
+  // The backend the call runs on, one of backends() by name. Null (automatic): the first backend of
+  // that list that runs the call and may be picked automatically ("cpu" for every call it runs). A
+  // name: exactly that backend, or a kda::Error naming it (with the compiled ones when it is not one
+  // of them, or its reason when it does not run the call).
+  const char* backend = nullptr;
 };
+
+// The backends compiled into this build, in the order a call that names none tries them: "cpu" (the
+// SIMD kernels).
+std::vector<std::string> backends();
 
 // The unit Precision::bf16's products run on: "amx", "avx512_bf16" or "portable" (fp32 products of
 // bf16-rounded operands), the best this CPU and its kernel allow or the one the environment variable
@@ -339,10 +348,12 @@ int64_t num_chunks(const Problem& p);
 
 // The kernel an entry point runs for a problem, on which backend, and why. Every entry point calls
 // this one function; `chunk_states`: the call asks for (forward) or passes (backward) chunk states.
-// Throws kda::Error when no backend runs the problem (e.g. a gate width its kernels lack).
+// The backend is opt.backend's, or the one a call naming none runs on (RunOptions::backend). Throws
+// kda::Error when no backend runs the problem (e.g. a gate width its kernels lack), or when the one
+// opt.backend names is not compiled in or does not run it.
 struct Route {
   KernelId kernel;
-  const char* backend;  // e.g. "cpu"
+  const char* backend;  // one of backends(): "cpu"
   const char* reason;   // one sentence, for the tool and the docs
 };
 Route route(Entry entry, const Prepared& p, const RunOptions& opt = {}, bool chunk_states = false);

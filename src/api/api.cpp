@@ -65,7 +65,7 @@ void api::forward_plan(Entry entry, const core::Plan& problem, const ForwardInpu
     throw Error(std::string("kda: argument 'entry': expected chunk_forward or recurrent_forward, got ") +
                 entry_name(entry));
   const core::Plan plan = core::plan_forward(problem, in, out);
-  const core::Backend& b = core::backend_for(plan);
+  const core::Backend& b = core::backend_for(entry, plan, opt);
   switch (core::route(entry, plan, b, opt, out.chunk_states != nullptr).kernel) {
     case KernelId::chunked_forward: return b.chunk_forward(plan, in, out, opt);
     case KernelId::recurrent_forward: return b.recurrent_forward(plan, in, out, opt);
@@ -86,7 +86,7 @@ void backward(Entry entry, const Prepared& p, const BackwardInputs& in, const Ba
     throw Error(std::string("kda: argument 'entry': expected chunk_backward or recurrent_backward, got ") +
                 entry_name(entry));
   const core::Plan plan = core::plan_backward(p.plan(), in, out);
-  const core::Backend& b = core::backend_for(plan);
+  const core::Backend& b = core::backend_for(entry, plan, opt);
   switch (core::route(entry, plan, b, opt, in.chunk_states != nullptr).kernel) {
     case KernelId::chunked_backward: return b.chunk_backward(plan, in, out, opt);
     case KernelId::recurrent_backward: return b.recurrent_backward(plan, in, out, opt);
@@ -117,7 +117,7 @@ void recurrent_backward(const Prepared& p, const BackwardInputs& in, const Backw
 void decode(const Prepared& p, const DecodeInputs& in, const StatePool& pool, const DecodeOutputs& out,
             const RunOptions& opt) {
   const core::Plan plan = core::plan_decode(p.plan(), in, pool, out);
-  const core::Backend& b = core::backend_for(plan);
+  const core::Backend& b = core::backend_for(Entry::decode, plan, opt);
   core::route(Entry::decode, plan, b, opt, false);  // decode has one kernel; routed for uniformity
   b.decode(plan, in, out, opt);
 }

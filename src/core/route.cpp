@@ -1,19 +1,48 @@
 // Which backend and which kernel run a call: the only place the choice is made (docs/design.md).
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/backend.hpp"
 
 namespace kda::core {
 
-const Backend& backend_for(const Plan& plan) {
+namespace {
+
+// The compiled backends' names, for messages: "cpu, reference".
+std::string backend_names() {
+  std::string names;
+  for (const Backend* b : backends()) names += (names.empty() ? "" : ", ") + std::string(b->name);
+  return names.empty() ? "none" : names;
+}
+
+}  // namespace
+
+const Backend& backend_for(Entry entry, const Plan& plan, const RunOptions& opt) {
+  if (opt.backend != nullptr) {
+    for (const Backend* b : backends()) {
+      if (std::strcmp(b->name, opt.backend) != 0) continue;
+      const char* why = b->unsupported(entry, plan, opt);
+      if (why == nullptr) return *b;
+      std::string reason = why;
+      if (reason.rfind("kda: ", 0) == 0) reason.erase(0, 5);
+      throw Error("kda: argument 'backend': '" + std::string(opt.backend) + "' does not run this " +
+                  entry_name(entry) + " call: " + reason);
+    }
+    throw Error("kda: argument 'backend': no backend named '" + std::string(opt.backend) +
+                "' in this build; compiled: " + backend_names());
+  }
   const char* first_reason = nullptr;
   for (const Backend* b : backends()) {
-    const char* why = b->unsupported(plan);
+    if (!b->automatic) continue;
+    const char* why = b->unsupported(entry, plan, opt);
     if (why == nullptr) return *b;
     if (first_reason == nullptr) first_reason = why;
   }
-  throw Error(first_reason != nullptr ? first_reason : "kda: this build has no backend");
+  if (first_reason != nullptr) throw Error(first_reason);
+  throw Error("kda: this build has no backend that a call naming none may run on; name one of " +
+              backend_names() + " (RunOptions::backend)");
 }
 
 namespace {
@@ -60,9 +89,9 @@ Route route(Entry entry, const Plan& plan, const Backend& b, const RunOptions& o
         case ForwardKernel::automatic:
           if (b.prefill_prefers_recurrent(plan, opt))
             return recurrent_or_decode(plan, b, chunk_states,
-                                       "the backend's recurrent kernel is the faster prefill for this shape");
+                                       "the backend prefers its recurrent kernel for this shape's prefill");
           return {KernelId::chunked_forward, b.name,
-                  "the backend's chunked kernel is the faster prefill here"};
+                  "the backend prefers its chunked kernel for this shape's prefill"};
       }
       throw Error(
           "kda: argument 'forward_kernel': expected automatic (0), chunked (1) or recurrent (2), got " +
@@ -106,7 +135,13 @@ const char* kernel_name(KernelId k) {
 
 Route route(Entry entry, const Prepared& p, const RunOptions& opt, bool chunk_states) {
   const core::Plan& plan = p.plan();
-  return core::route(entry, plan, core::backend_for(plan), opt, chunk_states);
+  return core::route(entry, plan, core::backend_for(entry, plan, opt), opt, chunk_states);
+}
+
+std::vector<std::string> backends() {
+  std::vector<std::string> names;
+  for (const core::Backend* b : core::backends()) names.emplace_back(b->name);
+  return names;
 }
 
 }  // namespace kda

@@ -10,7 +10,7 @@ namespace {
 
 // The CPU kernels run every problem the core accepts (every gate mode, beta mode, layout and dtype)
 // but the value-channel gate, which only the float64 oracle computes so far.
-const char* unsupported(const core::Plan& plan) {
+const char* unsupported(Entry, const core::Plan& plan, const RunOptions&) {
   if (plan.problem.gate_width == GateWidth::per_value)
     return "kda: argument 'gate_width': per_value (a decay per value channel) is not supported yet by the "
            "CPU kernels; the float64 oracle (kda::reference) computes its forward";
@@ -25,6 +25,7 @@ bool prefill_prefers_recurrent(const core::Plan&, const RunOptions&) {
 
 const core::Backend kCpu{
     "cpu",
+    true,  // picked for every call it runs
     &unsupported,
     &prefill_prefers_recurrent,
     kTuning.decode_tokens,
