@@ -173,6 +173,117 @@ TEST(Routing, OneRuleForEveryEntryPoint) {
   EXPECT_EQ(c.o[0], kSentinel);
 }
 
+// The backends of this build by name (RunOptions::backend): a call naming none runs on the CPU, never
+// on the float64 oracle ("reference", only by name); a named backend runs the call or says why not,
+// and an unknown name lists the compiled ones. Nothing is written for a refused call.
+TEST(Backends, NamedOrAutomatic) {
+  EXPECT_EQ(backends(), (std::vector<std::string>{"cpu", "reference"}));
+  const Prepared longer = prepare(Call(100).p), shorter = prepare(Call(16).p);
+  for (Entry e : kEntries) {
+    EXPECT_STREQ(route(e, longer).backend, "cpu") << entry_name(e);
+    for (const std::string& name : backends()) {
+      RunOptions opt;
+      opt.backend = name.c_str();
+      EXPECT_STREQ(route(e, longer, opt).backend, name.c_str()) << entry_name(e);
+    }
+  }
+  RunOptions oracle;
+  oracle.backend = "reference";
+  EXPECT_EQ(route(Entry::chunk_forward, longer, oracle).kernel, KernelId::recurrent_forward);
+  EXPECT_EQ(route(Entry::recurrent_forward, shorter, oracle).kernel, KernelId::recurrent_forward)
+      << "the oracle has no decode path for short forwards";
+  EXPECT_EQ(route(Entry::decode, shorter, oracle).kernel, KernelId::decode);
+
+  Call c(20);
+  for (const char* name : {"cuda", "", "CPU"}) {
+    RunOptions unknown;
+    unknown.backend = name;
+    test::expect_kda_error(
+        "backend", [&] { chunk_forward(c.p, c.in, c.out, unknown); },
+        "no backend named '" + std::string(name) + "' in this build; compiled: cpu, reference");
+    test::expect_kda_error(
+        "backend", [&] { route(Entry::decode, longer, unknown); }, "compiled: cpu, reference");
+  }
+  // The oracle computes in double: no bf16 products.
+  RunOptions bf16 = oracle;
+  bf16.precision = Precision::bf16;
+  test::expect_kda_error(
+      "backend", [&] { chunk_forward(c.p, c.in, c.out, bf16); },
+      "'reference' does not run this chunk_forward call: argument 'precision'");
+  for (float x : c.o) ASSERT_EQ(x, kSentinel) << "nothing is written for a refused call";
+}
+
+// The reference backend is the oracle behind the entry points: its outputs are the oracle's rounded
+// to their dtypes, bit for bit (varlen, an empty sequence, initial states, a fused gate, chunk
+// states, in place), whatever the thread count; the call validates its problem once like any other.
+TEST(Backends, ReferenceIsTheOracleRounded) {
+  Call c(130, GateWidth::per_key, {0, 70, 70, 130});
+  c.p.gate = GateMode::softplus;
+  c.p.qk_l2norm = true;
+  std::vector<float> A_log = {0.3f, -0.2f};
+  c.in.A_log = A_log.data();
+  for (size_t i = 0; i < c.q.size(); ++i) c.q[i] = 0.5f * std::sin(0.37f * i);
+  for (size_t i = 0; i < c.k.size(); ++i) c.k[i] = 0.5f * std::cos(0.61f * i);
+  for (size_t i = 0; i < c.v.size(); ++i) c.v[i] = std::sin(1.3f * i);
+  for (size_t i = 0; i < c.g.size(); ++i) c.g[i] = std::cos(0.11f * i);
+  const Prepared prepared = prepare(c.p);
+  c.keep_states(prepared.shapes());
+  std::vector<float> h0(c.final_state.size());
+  for (size_t i = 0; i < h0.size(); ++i) h0[i] = 0.25f * std::sin(0.07f * i);
+  c.final_state = h0;  // updated in place: final_state == initial_state
+  c.in.initial_state = c.out.final_state;
+  const reference::ForwardResult want = reference::forward(prepared, reference::widen(c.p, c.in));
+  RunOptions opt;
+  opt.backend = "reference";
+  opt.num_threads = 3;
+  const int64_t before = validation_count();
+  chunk_forward(prepared, c.in, c.out, opt);
+  EXPECT_EQ(validation_count(), before) << "no validation beyond prepare()";
+  for (size_t i = 0; i < c.o.size(); ++i) ASSERT_EQ(c.o[i], static_cast<float>(want.o[i])) << "o " << i;
+  for (size_t i = 0; i < c.final_state.size(); ++i)
+    ASSERT_EQ(c.final_state[i], static_cast<float>(want.final_state[i])) << "final state " << i;
+  for (size_t i = 0; i < c.chunk_states.size(); ++i)
+    ASSERT_EQ(c.chunk_states[i], static_cast<float>(want.chunk_states[i])) << "chunk states " << i;
+}
+
+// The value-channel gate, which the CPU kernels refuse: a call naming no backend gets the CPU's
+// reason, one naming the CPU too (with the backend it named); on the reference backend its forward
+// runs (the oracle's), its backward is refused (the oracle has none) and nothing is written.
+TEST(Backends, PerValueGateRunsOnTheReferenceBackend) {
+  Call c(70, GateWidth::per_value);
+  for (size_t i = 0; i < c.g.size(); ++i) c.g[i] = -0.05f * static_cast<float>(i % 7);
+  const Prepared prepared = prepare(c.p);
+  test::expect_kda_error(
+      "gate_width", [&] { chunk_forward(prepared, c.in, c.out); }, "not supported yet by the CPU kernels");
+  RunOptions cpu, oracle;
+  cpu.backend = "cpu";
+  oracle.backend = "reference";
+  test::expect_kda_error(
+      "backend", [&] { recurrent_forward(prepared, c.in, c.out, cpu); },
+      "'cpu' does not run this recurrent_forward call: argument 'gate_width'");
+  for (float x : c.o) ASSERT_EQ(x, kSentinel);
+  recurrent_forward(prepared, c.in, c.out, oracle);
+  const reference::ForwardResult want = reference::forward(prepared, reference::widen(c.p, c.in));
+  for (size_t i = 0; i < c.o.size(); ++i) ASSERT_EQ(c.o[i], static_cast<float>(want.o[i])) << i;
+
+  std::vector<float> d_o(c.o.size(), 1.0f), dq(c.q.size(), kSentinel), dk(c.k.size(), kSentinel),
+      dv(c.v.size(), kSentinel), dg(c.g.size(), kSentinel), dbeta(c.beta.size(), kSentinel);
+  BackwardInputs bin;
+  bin.fwd = c.in;
+  bin.d_o = make_input(d_o.data(), DType::f32, c.p, 2, 4);
+  BackwardOutputs bout;
+  bout.dq = make_output(dq.data(), DType::f32, c.p, 1, 8);
+  bout.dk = make_output(dk.data(), DType::f32, c.p, 1, 8);
+  bout.dv = make_output(dv.data(), DType::f32, c.p, 2, 4);
+  bout.dg = make_output(dg.data(), DType::f32, c.p, 2, 4);
+  bout.dbeta = make_output(dbeta.data(), DType::f32, c.p, 2, 1);
+  test::expect_kda_error(
+      "backend", [&] { chunk_backward(prepared, bin, bout, oracle); },
+      "'reference' does not run this chunk_backward call: argument 'gate_width': per_value");
+  for (const auto* grad : {&dq, &dk, &dv, &dg, &dbeta})
+    for (float x : *grad) ASSERT_EQ(x, kSentinel) << "nothing is written for a refused call";
+}
+
 // A per-head gate runs on every kernel and means the per-key gate repeated over the K channels
 // (the kernels use its scalar structure, so the two calls agree to rounding, not bitwise).
 TEST(GateWidth, PerHeadRunsAsTheBroadcastPerKeyGate) {

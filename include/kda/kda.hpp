@@ -314,12 +314,14 @@ struct RunOptions {
   // The backend the call runs on, one of backends() by name. Null (automatic): the first backend of
   // that list that runs the call and may be picked automatically ("cpu" for every call it runs). A
   // name: exactly that backend, or a kda::Error naming it (with the compiled ones when it is not one
-  // of them, or its reason when it does not run the call).
+  // of them, or its reason when it does not run the call). "reference" is the float64 oracle behind
+  // the same entry points: it computes in double and rounds to the outputs' dtypes, on the calling
+  // thread (num_threads and context unused), and runs only when named.
   const char* backend = nullptr;
 };
 
 // The backends compiled into this build, in the order a call that names none tries them: "cpu" (the
-// SIMD kernels).
+// SIMD kernels) and "reference" (the float64 oracle, only when RunOptions::backend names it).
 std::vector<std::string> backends();
 
 // The unit Precision::bf16's products run on: "amx", "avx512_bf16" or "portable" (fp32 products of
@@ -353,7 +355,7 @@ int64_t num_chunks(const Problem& p);
 // opt.backend names is not compiled in or does not run it.
 struct Route {
   KernelId kernel;
-  const char* backend;  // one of backends(): "cpu"
+  const char* backend;  // one of backends(): "cpu", "reference"
   const char* reason;   // one sentence, for the tool and the docs
 };
 Route route(Entry entry, const Prepared& p, const RunOptions& opt = {}, bool chunk_states = false);

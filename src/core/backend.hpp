@@ -1,8 +1,9 @@
 // The seam between the public API and the hardware: a backend is a table of entry points plus the
 // question "can you run this call?". The API validates a call (core/plan.hpp), asks backend_for()
 // which backend takes it and route() which kernel of that backend runs, then calls the table. Nothing
-// in core/ knows a backend by name: src/backends.cpp lists the compiled ones (cpu/ today; a CUDA
-// backend is a folder that fills one more table and adds one line there).
+// in core/ knows a backend by name: src/backends.cpp lists the compiled ones (cpu/, and reference/,
+// the float64 oracle, which runs only when a call names it; a CUDA backend is a folder that fills one
+// more table and adds one line there).
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,7 @@ namespace kda::core {
 struct Backend {
   const char* name;  // what RunOptions::backend names it by, and Route::backend reports
   // Whether a call that names no backend (RunOptions::backend null) may run on it. A backend that is
-  // not (an exact but slow one, say) runs only the calls that name it.
+  // not (the float64 oracle: exact but slow) runs only the calls that name it.
   bool automatic;
   // Null when this backend runs the entry point on the plan with these options; otherwise the reason
   // it cannot (the message of the kda::Error a call gets when no backend takes it, or when the

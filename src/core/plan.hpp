@@ -133,6 +133,25 @@ inline void load_row(const Input& in, int64_t b, int64_t t, int64_t h, int64_t n
   }
 }
 
+// Writes `n` contiguous elements of row (b, t, h) from T (float or double), each rounded to the
+// view's dtype (a double to float first, then to bf16, as the kernels round their fp32 results).
+template <typename T>
+inline void store_row(const Output& out, int64_t b, int64_t t, int64_t h, int64_t n, const T* src) {
+  char* dst = element_ptr(out, b, t, h);
+  switch (out.dtype) {
+    case DType::f32: {
+      float* d = reinterpret_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(src[i]);
+      break;
+    }
+    case DType::bf16: {
+      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(static_cast<float>(src[i]));
+      break;
+    }
+  }
+}
+
 }  // namespace kda::core
 
 // What a kda::Prepared holds: its own copy of cu_seqlens (plan.problem.cu_seqlens points into it),

@@ -13,7 +13,8 @@ namespace {
 const char* unsupported(Entry, const core::Plan& plan, const RunOptions&) {
   if (plan.problem.gate_width == GateWidth::per_value)
     return "kda: argument 'gate_width': per_value (a decay per value channel) is not supported yet by the "
-           "CPU kernels; the float64 oracle (kda::reference) computes its forward";
+           "CPU kernels; the float64 oracle computes its forward (kda::reference, or RunOptions::backend "
+           "'reference')";
   return nullptr;
 }
 

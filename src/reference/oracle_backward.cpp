@@ -23,12 +23,13 @@ Gradients backward(const Problem& p, const Inputs& in, const std::vector<double>
 
 Gradients backward(const Prepared& prepared, const Inputs& in, const std::vector<double>& d_o,
                    const std::vector<double>& d_final_state) {
-  const core::Plan& plan = prepared.plan();
+  return detail::backward(prepared.plan(), in, d_o, d_final_state);
+}
+
+Gradients detail::backward(const core::Plan& plan, const Inputs& in, const std::vector<double>& d_o,
+                           const std::vector<double>& d_final_state) {
   const Problem& p = plan.problem;
-  if (p.gate_width == GateWidth::per_value)
-    throw Error(
-        "kda: argument 'gate_width': per_value (a decay per value channel) has no backward yet, not even in "
-        "the float64 oracle");
+  if (p.gate_width == GateWidth::per_value) throw Error(detail::kPerValueBackward);
   detail::check_inputs(plan, in);
   const detail::Shape s(plan);
   detail::check_size("d_o", d_o, s.v_size(), false);

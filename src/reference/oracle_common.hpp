@@ -1,5 +1,6 @@
-// Shared pieces of the float64 oracle (forward and backward): argument checks of reference::Inputs,
-// packed indexing, the per-token pre-processing and one step of the recurrence.
+// Shared pieces of the float64 oracle (forward, backward and its backend table): argument checks of
+// reference::Inputs, packed indexing, the per-token pre-processing and one step of the recurrence, and
+// the oracle on an already validated plan.
 #pragma once
 
 #include <algorithm>
@@ -181,5 +182,21 @@ inline void store_state(const core::Plan& plan, const double* S, double* dst) {
   for (int64_t d = 0; d < plan.K; ++d)
     for (int64_t j = 0; j < plan.V; ++j) dst[plan.state_index(d, j)] = S[d * plan.V + j];
 }
+
+// ---- the oracle on a validated plan (the public functions validate the problem, then run these;
+// the backend table, reference/backend.cpp, runs them on the plan of a call) ---------------------
+
+// What the oracle's backward refuses: it has no backward of the value-channel gate.
+inline constexpr const char* kPerValueBackward =
+    "kda: argument 'gate_width': per_value (a decay per value channel) has no backward yet, not even in "
+    "the float64 oracle";
+
+// A view [B, T, heads, dim] (f32 or bf16, any strides) widened exactly into packed float64.
+std::vector<double> widen_view(const Input& view, int64_t B, int64_t T, int64_t heads, int64_t dim);
+// A call's inputs widened exactly, with no check (reference::widen checks them first).
+Inputs widen(const core::Plan& plan, const ForwardInputs& in);
+ForwardResult forward(const core::Plan& plan, const Inputs& in);
+Gradients backward(const core::Plan& plan, const Inputs& in, const std::vector<double>& d_o,
+                   const std::vector<double>& d_final_state);
 
 }  // namespace kda::reference::detail

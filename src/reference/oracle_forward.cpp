@@ -8,7 +8,10 @@ namespace kda::reference {
 ForwardResult forward(const Problem& p, const Inputs& in) { return forward(prepare(p), in); }
 
 ForwardResult forward(const Prepared& prepared, const Inputs& in) {
-  const core::Plan& plan = prepared.plan();
+  return detail::forward(prepared.plan(), in);
+}
+
+ForwardResult detail::forward(const core::Plan& plan, const Inputs& in) {
   detail::check_inputs(plan, in);
   const detail::Shape s(plan);
   const int64_t K = s.K, V = s.V, HV = s.HV, KV = K * V;

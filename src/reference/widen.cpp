@@ -3,18 +3,10 @@
 
 #include "core/plan.hpp"
 #include "kda/reference.hpp"
+#include "reference/oracle_common.hpp"
 
 namespace kda::reference {
 namespace {
-
-std::vector<double> widen_view(const Input& view, int64_t B, int64_t T, int64_t heads, int64_t dim) {
-  std::vector<double> out(static_cast<size_t>(B * T * heads * dim));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        core::load_row(view, b, t, h, dim, out.data() + ((b * T + t) * heads + h) * dim);
-  return out;
-}
 
 std::vector<double> widen_floats(const float* src, int64_t n) {
   std::vector<double> out(static_cast<size_t>(n));
@@ -24,11 +16,23 @@ std::vector<double> widen_floats(const float* src, int64_t n) {
 
 }  // namespace
 
+std::vector<double> detail::widen_view(const Input& view, int64_t B, int64_t T, int64_t heads, int64_t dim) {
+  std::vector<double> out(static_cast<size_t>(B * T * heads * dim));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        core::load_row(view, b, t, h, dim, out.data() + ((b * T + t) * heads + h) * dim);
+  return out;
+}
+
 Inputs widen(const Problem& p, const ForwardInputs& in) {
   const Prepared prepared = prepare(p);
-  const core::Plan& plan = prepared.plan();
-  core::check_forward_inputs(plan, in);  // the kernels' own validation
-  const int64_t B = p.batch, T = p.seq_len;
+  core::check_forward_inputs(prepared.plan(), in);  // the kernels' own validation
+  return detail::widen(prepared.plan(), in);
+}
+
+Inputs detail::widen(const core::Plan& plan, const ForwardInputs& in) {
+  const int64_t B = plan.problem.batch, T = plan.problem.seq_len;
   Inputs r;
   r.q = widen_view(in.q, B, T, plan.H, plan.K);
   r.k = widen_view(in.k, B, T, plan.H, plan.K);
