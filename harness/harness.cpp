@@ -702,6 +702,22 @@ void make_data(const Case& c, Data& d) {
   }
 }
 
+// ---- backends -----------------------------------------------------------------------------------
+
+const std::vector<std::string>& backends() {
+  static const std::vector<std::string> names = kda::backends();
+  return names;
+}
+
+RunOptions on_backend(std::string_view name, RunOptions opt) {
+  for (const std::string& b : backends())
+    if (b == name) {
+      opt.backend = b.c_str();
+      return opt;
+    }
+  throw std::invalid_argument("no backend '" + std::string(name) + "' in this build");
+}
+
 // ---- runners -----------------------------------------------------------------------------------
 
 namespace {

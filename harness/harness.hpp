@@ -235,6 +235,47 @@ std::vector<T> sized_for_this_run(std::vector<T> cases) {
   return cases;
 }
 
+// ---- backends -----------------------------------------------------------------------------------
+
+// The backends this build compiled (kda::backends(): "cpu", then "reference", the float64 oracle
+// behind the same entry points), held for the life of the process so that a RunOptions can point at
+// a name. The parity suites run every case on each (tests/: OnBackend), so that a new backend gets
+// the whole suite by its line in src/backends.cpp.
+const std::vector<std::string>& backends();
+// `opt` naming the backend `name` (RunOptions::backend), which must be one of backends().
+RunOptions on_backend(std::string_view name, RunOptions opt = {});
+
+// One case of a parity suite on one backend: the suites' test parameter, named
+// "<backend>_<the case's name>" (so that a gtest filter can pick or drop a backend).
+template <typename C>
+struct OnBackend {
+  const char* backend;  // one of backends()
+  C c;
+  std::string name() const { return std::string(backend) + "_" + c.name(); }
+  RunOptions options(RunOptions opt = {}) const {
+    opt.backend = backend;
+    return opt;
+  }
+};
+template <typename C>
+void PrintTo(const OnBackend<C>& x, std::ostream* os) {
+  *os << x.name();
+}
+// Every case on every backend, backend by backend; `keep(backend, i)`, when given, says whether
+// cases[i] runs on a backend (a slow backend's subset).
+template <typename C, typename Keep>
+std::vector<OnBackend<C>> on_backends(const std::vector<C>& cases, Keep keep) {
+  std::vector<OnBackend<C>> out;
+  for (const std::string& b : backends())
+    for (size_t i = 0; i < cases.size(); ++i)
+      if (keep(std::string_view(b), i)) out.push_back({b.c_str(), cases[i]});
+  return out;
+}
+template <typename C>
+std::vector<OnBackend<C>> on_backends(const std::vector<C>& cases) {
+  return on_backends(cases, [](std::string_view, size_t) { return true; });
+}
+
 // ---- running kernels and the oracle -------------------------------------------------------------
 
 struct ForwardOut {
@@ -247,8 +288,9 @@ struct ForwardOut {
 ForwardOut forward_buffers(const Data& d, bool final_state, bool chunk_states);
 ForwardOutputs forward_outputs(ForwardOut& out);
 
-// Runs a kernel. Outputs start as NaN, so an element the kernel forgets is caught by finiteness.
-// Strided cases use a strided o, whose padding must stay untouched (checked: padding_ok).
+// Runs a kernel (of the backend opt.backend names; null: the one a call naming none runs on).
+// Outputs start as NaN, so an element the kernel forgets is caught by finiteness. Strided cases use a
+// strided o, whose padding must stay untouched (checked: padding_ok).
 struct ForwardRun {
   ForwardOut out;
   bool padding_ok = true;

@@ -1,10 +1,12 @@
-// Backward parity of both kernels (chunked and recurrent) against the float64 oracle, for every
+// Backward parity of both kernels (chunked and recurrent) against the float64 oracle, on every
+// backend of the build (the parity suites, the placed gates and the long sequence run each case on
+// each: "cpu", and "reference", the oracle behind the same entry points), for every
 // gradient (dq, dk, dv, dg, dbeta, d_initial_state and, with fused gates, dA_log and ddt_bias): every
 // gate regime and fused option, edge lengths, variable-length batches, GVA (dq / dk summed over the
 // group), head sizes, layouts, dtypes, strided views, with and without an initial state and a
 // final-state gradient. The chunked backward runs twice per case, once recomputing the states
 // entering every chunk and once given them (chunk_forward's chunk_states); both must give the same
-// bits. Plus one long sequence and determinism over thread counts.
+// bits. Plus one long sequence and, on the CPU, determinism over thread counts and column shares.
 // Tolerances (relative RMS against the oracle, per gradient): harness/definitions.txt's backward rows
 // (a gradient returned in bf16 is measured after its rounding; d_initial_state, dA_log and ddt_bias,
 // stored in fp32, get the fp32 tolerance in every case, bf16 inputs included: the oracle runs on the
@@ -29,7 +31,8 @@ namespace {
 
 // ---- the worst errors (gradients, measures and tolerances: harness/harness.hpp) ------------------
 
-// Worst error seen per (kernel variant, precision class, gradient), printed at the end when verbose.
+// Worst error seen per (backend and kernel variant, precision class, gradient), printed at the end when
+// verbose.
 struct Worst {
   double err = -1.0;
   std::string where;
@@ -43,9 +46,9 @@ class WorstErrorReport : public ::testing::Environment {
  public:
   void TearDown() override {
     if (!verbose() || worst_table().empty()) return;
-    std::printf("Backward: worst relative RMS error per gradient (kernel, precision class)\n");
+    std::printf("Backward: worst relative RMS error per gradient (backend and kernel, precision class)\n");
     for (const auto& [key, w] : worst_table())
-      std::printf("  %-13s %-4s %-8s %.3e (tol %.0e)  %s\n", std::get<0>(key).c_str(),
+      std::printf("  %-26s %-4s %-8s %.3e (tol %.0e)  %s\n", std::get<0>(key).c_str(),
                   std::get<1>(key) ? "bf16" : "f32", kGradNames[std::get<2>(key)], w.err,
                   gradient_tolerance(static_cast<Grad>(std::get<2>(key)), std::get<1>(key)), w.where.c_str());
   }
@@ -93,7 +96,7 @@ void check_gradients(const char* label, const BwdCase& bc, const Data& d, const 
       w = Worst{it.error, bc.name()};  // NaN-safe: an infinite error is always recorded
   }
   if (verbose()) {
-    std::printf("  %-13s %s\n   ", label, bc.name().c_str());
+    std::printf("  %-26s %s\n   ", label, bc.name().c_str());
     for (int g = 0; g < kNumGrads; ++g)
       if (err[g] >= 0.0) std::printf(" %s %.2e", kGradNames[g], err[g]);
     std::printf("\n");
@@ -119,9 +122,10 @@ std::string differing_gradients(const BackwardOut& a, const BackwardOut& b) {
 
 const float* data_or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
 
-// `edit`, if set, changes the generated inputs before anything runs.
-void check_both_kernels(const BwdCase& bc, const std::function<void(Data&)>& edit = {}) {
-  SCOPED_TRACE(bc.name());
+// On the backend `opt` names; `edit`, if set, changes the generated inputs before anything runs.
+void check_both_kernels(const BwdCase& bc, const RunOptions& opt,
+                        const std::function<void(Data&)>& edit = {}) {
+  SCOPED_TRACE(bc.name() + " on " + (opt.backend ? opt.backend : "the automatic backend"));
   Data d;
   make_data(bc.c, d);
   if (edit) edit(d);
@@ -133,31 +137,40 @@ void check_both_kernels(const BwdCase& bc, const std::function<void(Data&)>& edi
     ASSERT_TRUE(all_finite(*r)) << "the oracle gave a non-finite gradient";
 
   // Chunked: the states entering every chunk recomputed, then given (from chunk_forward).
-  const BackwardRun recomputed = run_backward(Kernel::chunk, d, ct);
-  check_gradients("chunk", bc, d, recomputed, ref);
-  const ForwardRun fwd = run_forward(Kernel::chunk, d);
+  // Labels of the worst-error report: the backend, then the kernel variant.
+  const std::string on = opt.backend != nullptr ? std::string(opt.backend) + " " : "";
+  const BackwardRun recomputed = run_backward(Kernel::chunk, d, ct, opt);
+  check_gradients((on + "chunk").c_str(), bc, d, recomputed, ref);
+  const ForwardRun fwd = run_forward(Kernel::chunk, d, opt);
   ASSERT_TRUE(all_finite(fwd.out.chunk_states));
-  const BackwardRun given = run_backward(Kernel::chunk, d, ct, {}, data_or_null(fwd.out.chunk_states));
-  check_gradients("chunk+states", bc, d, given, ref);
+  const BackwardRun given = run_backward(Kernel::chunk, d, ct, opt, data_or_null(fwd.out.chunk_states));
+  check_gradients((on + "chunk+states").c_str(), bc, d, given, ref);
   EXPECT_EQ(differing_gradients(recomputed.out, given.out), "")
       << "chunk_backward: gradients differ between given and recomputed chunk states";
 
-  check_gradients("recurrent", bc, d, run_backward(Kernel::recurrent, d, ct), ref);
+  check_gradients((on + "recurrent").c_str(), bc, d, run_backward(Kernel::recurrent, d, ct, opt), ref);
   // The recurrent backward takes the forward's chunk states as its checkpoints.
-  check_gradients("recurrent+states", bc, d,
-                  run_backward(Kernel::recurrent, d, ct, {}, data_or_null(fwd.out.chunk_states)), ref);
+  check_gradients((on + "recurrent+states").c_str(), bc, d,
+                  run_backward(Kernel::recurrent, d, ct, opt, data_or_null(fwd.out.chunk_states)), ref);
 }
 
-class BackwardParity : public ::testing::TestWithParam<BwdCase> {};
+// A case on a backend (harness::OnBackend: named "<backend>_<case>").
+class BackwardParity : public ::testing::TestWithParam<OnBackend<BwdCase>> {};
 
-TEST_P(BackwardParity, BothKernels) { check_both_kernels(GetParam()); }
+TEST_P(BackwardParity, BothKernels) { check_both_kernels(GetParam().c, GetParam().options()); }
+
+// Every case of a list on every backend.
+auto on_each_backend(const std::vector<BwdCase>& cases) { return ::testing::ValuesIn(on_backends(cases)); }
 
 // Gates placed on purpose (see ForwardGatePatterns): e^-15 at every token, 2^-4.5 per token and
 // -1000 spikes on consecutive tokens, with padded key lanes (K = 40); the recurrent backward's
 // checkpoints come from its own forward pass and from the chunked forward's states.
-TEST(BackwardGatePatterns, PlacedDecays) {
+class BackwardGatePatterns : public EachBackend {};
+INSTANTIATE_TEST_SUITE_P(Backends, BackwardGatePatterns, each_backend(), backend_name);
+
+TEST_P(BackwardGatePatterns, PlacedDecays) {
   const BwdCase bc = bwd("T=150 H=2 HV=4 K=40 V=24 h0 seed=620");
-  check_both_kernels(bc, [](Data& d) {
+  check_both_kernels(bc, options(), [](Data& d) {
     for (int64_t t = 0; t < d.c.T; ++t) {
       d.g.set(0, t, 0, 3, -15.0);
       d.g.set(0, t, 1, 5, -4.5 * std::log(2.0));
@@ -168,15 +181,15 @@ TEST(BackwardGatePatterns, PlacedDecays) {
 
 // The per-head gate placed on purpose (see ForwardGatePatterns.PerHeadSpikesAndUnderflow): -1e4
 // spikes at group and block edges, e^-15 per token in one head, the fused softplus gate unbounded.
-TEST(BackwardGatePatterns, PerHeadSpikesAndUnderflow) {
-  check_both_kernels(bwd("T=150 H=2 HV=4 K=40 V=24 per_head h0 seed=621"), [](Data& d) {
+TEST_P(BackwardGatePatterns, PerHeadSpikesAndUnderflow) {
+  check_both_kernels(bwd("T=150 H=2 HV=4 K=40 V=24 per_head h0 seed=621"), options(), [](Data& d) {
     for (int64_t t = 0; t < d.c.T; ++t) {
       d.g.set(0, t, 1, 0, -15.0);
       if (t == 3 || t == 4 || t == 63 || t == 64 || t == 149) d.g.set(0, t, 0, 0, -1e4);
     }
   });
   check_both_kernels(bwd("T=150 H=2 HV=4 K=40 V=24 regime=unbounded softplus per_head h0 seed=622"),
-                     [](Data& d) {
+                     options(), [](Data& d) {
                        for (int64_t t : {0, 3, 64, 100})
                          d.g.set(0, t, 2, 0, 1e4);  // raw: softplus(1e4) = 1e4
                      });
@@ -192,8 +205,7 @@ std::vector<BwdCase> grid_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, BackwardParity, ::testing::ValuesIn(sized_for_this_run(grid_cases())),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Grid, BackwardParity, on_each_backend(sized_for_this_run(grid_cases())), case_name);
 
 // Every fused option in every combination: softplus and lower-bound gates with and without dt_bias,
 // beta as given / sigmoid / 2*sigmoid, with and without the q/k L2 norm. Small shapes, varied regimes.
@@ -232,7 +244,7 @@ std::vector<BwdCase> fused_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fused, BackwardParity, ::testing::ValuesIn(sized_for_this_run(fused_cases())),
+INSTANTIATE_TEST_SUITE_P(Fused, BackwardParity, on_each_backend(sized_for_this_run(fused_cases())),
                          case_name);
 
 // Both state layouts, with and without an initial state and a final-state gradient, in both dtypes.
@@ -263,13 +275,13 @@ std::vector<BwdCase> state_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(States, BackwardParity, ::testing::ValuesIn(sized_for_this_run(state_cases())),
+INSTANTIATE_TEST_SUITE_P(States, BackwardParity, on_each_backend(sized_for_this_run(state_cases())),
                          case_name);
 
 // The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
 INSTANTIATE_TEST_SUITE_P(
     LowerBoundGate, BackwardParity,
-    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+    on_each_backend(sized_for_this_run(bwd_cases({
         "T=97 HV=2 K=128 V=16 lower_bound v_first h0 seed=1400",
         "T=110 HV=2 K=60 V=100 regime=strong lower_bound=-1 l2norm beta=sigmoid seed=1401 no_dfin",
         "T=123 HV=2 K=128 V=16 regime=zero lower_bound=-20 no_dt_bias h0 beta=sigmoid_x2 seed=1402",
@@ -282,7 +294,7 @@ INSTANTIATE_TEST_SUITE_P(
 // with fused gates, GVA and an empty sequence first.
 INSTANTIATE_TEST_SUITE_P(
     Varlen, BackwardParity,
-    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+    on_each_backend(sized_for_this_run(bwd_cases({
         "lengths=1,63,130,64,17 H=2 HV=4 K=60 V=100 h0 seed=1500",
         "lengths=1,63,130,64,17 HV=1 K=128 V=128 regime=spike v_first h0 seed=1501 no_dfin",
         "lengths=1,63,0,130,64,17,0 HV=2 K=100 V=60 regime=unbounded softplus l2norm beta=sigmoid v_first h0 "
@@ -298,7 +310,7 @@ INSTANTIATE_TEST_SUITE_P(
 // shape per head, no tokens at all (d_initial_state is d_final_state, every other gradient is empty).
 INSTANTIATE_TEST_SUITE_P(
     Layouts, BackwardParity,
-    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+    on_each_backend(sized_for_this_run(bwd_cases({
         "lengths=70,1,64,30 H=2 HV=4 K=60 V=100 strided softplus l2norm beta=sigmoid h0 seed=1600",
         "B=3 T=81 HV=2 K=128 V=60 strided regime=spike lower_bound beta=sigmoid_x2 bf16 v_first h0 seed=1601",
         "B=2 T=100 H=2 HV=4 K=100 V=100 regime=strong bf16 gate_dtype=f32 h0 seed=1602",
@@ -313,7 +325,7 @@ INSTANTIATE_TEST_SUITE_P(
 // dA_log / dt_bias gradients, varlen with 0- and 1-token sequences, GVA, both layouts, bf16, strided.
 INSTANTIATE_TEST_SUITE_P(
     GatedDeltaRule, BackwardParity,
-    ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+    on_each_backend(sized_for_this_run(bwd_cases({
         "T=97 HV=2 K=64 V=48 per_head h0 seed=1900",
         "T=130 H=2 HV=4 K=60 V=100 regime=strong per_head v_first seed=1901 no_dfin",
         "T=65 HV=2 K=128 V=16 regime=zero softplus per_head h0 seed=1902",
@@ -330,7 +342,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
 INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity,
-                         ::testing::ValuesIn(sized_for_this_run(bwd_cases({
+                         on_each_backend(sized_for_this_run(bwd_cases({
                              "T=70 HV=1 K=1 V=1 h0 seed=1800",
                              "B=2 T=81 HV=2 K=256 V=256 regime=strong v_first h0 seed=1801",
                              "T=92 HV=1 K=7 V=33 seed=1802",
@@ -343,12 +355,14 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, BackwardParity,
 // ---- long sequence, determinism -----------------------------------------------------------------
 
 // One long sequence under Kimi's unbounded gate: error must not grow along it.
-TEST(BackwardLong, T4096OneHead) {
-  check_both_kernels(bwd("T=4096 K=128 V=128 regime=unbounded softplus h0 seed=1700"));
+class BackwardLong : public EachBackend {};
+TEST_P(BackwardLong, T4096OneHead) {
+  check_both_kernels(bwd("T=4096 K=128 V=128 regime=unbounded softplus h0 seed=1700"), options());
 }
+INSTANTIATE_TEST_SUITE_P(Backends, BackwardLong, each_backend(), backend_name);
 
-// Bitwise identical gradients whatever the thread count, for both kernels (and both ways of getting
-// the chunk states): GVA group sums, varlen batches, the dA_log / ddt_bias reductions over tokens.
+// On the CPU backend: bitwise identical gradients whatever the thread count, for both kernels (and both ways
+// of getting the chunk states): GVA group sums, varlen batches, the dA_log / ddt_bias reductions over tokens.
 // (With at least as many (sequence, head) items as threads: fewer items split into column shares,
 // below.)
 TEST(BackwardDeterminism, ThreadCounts) {
@@ -387,8 +401,8 @@ TEST(BackwardDeterminism, ThreadCounts) {
   }
 }
 
-// Fewer (sequence, head) items than threads: both backwards split each item's value columns
-// into shares of at least 64 columns that run in parallel and sums their partial dq, dk, dg, dbeta
+// On the CPU backend, fewer (sequence, head) items than threads: both backwards split each item's value
+// columns into shares of at least 64 columns that run in parallel and sums their partial dq, dk, dg, dbeta
 // (and dA_log, dt_bias): two shares of V = 128 on 2 threads (on 4 where there are two items), four of
 // V = 256 on 4.
 // Every share count meets the oracle; a given thread count gives the same bits on every run and for

@@ -2,7 +2,8 @@
 // kernel behind recurrent_forward for short sequences, and the execution context (thread pool).
 // Everything against the float64 oracle per request and per token; slots a call does not touch are
 // filled with a poison pattern and must stay bitwise identical; every rejected call leaves the pool
-// unchanged.
+// unchanged. The pool suites run on every backend of the build ("cpu", and "reference", the oracle
+// behind the same entry points); the short-sequence routing and the threads are the CPU's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -186,12 +187,13 @@ std::vector<DecodeCase> decode_cases() {
   return cases;
 }
 
-class Decode : public ::testing::TestWithParam<DecodeCase> {};
+// A decode case on a backend (harness::OnBackend: named "<backend>_<case>").
+class Decode : public ::testing::TestWithParam<OnBackend<DecodeCase>> {};
 
 // Every request against the oracle: its outputs, the state written after every token (spec) or at
 // the end, and every slot the call does not write left as it was.
 TEST_P(Decode, MatchesOracleAndTouchesOnlyItsSlots) {
-  const DecodeCase& dc = GetParam();
+  const DecodeCase& dc = GetParam().c;
   Data d;
   make_data(dc.c, d);
   const Case& c = d.c;
@@ -226,7 +228,7 @@ TEST_P(Decode, MatchesOracleAndTouchesOnlyItsSlots) {
   DecodeOutputs out;
   out.o = o.output();
   StatePool view = pool.view();
-  decode(d.problem(), in, view, out);
+  decode(d.problem(), in, view, out, GetParam().options());
 
   const reference::ForwardResult ref = oracle_forward(d);
   EXPECT_TRUE(o.all_finite());
@@ -252,7 +254,8 @@ TEST_P(Decode, MatchesOracleAndTouchesOnlyItsSlots) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, Decode, ::testing::ValuesIn(sized_for_this_run(decode_cases())), case_name);
+INSTANTIATE_TEST_SUITE_P(Grid, Decode, ::testing::ValuesIn(on_backends(sized_for_this_run(decode_cases()))),
+                         case_name);
 
 // A common setup for the tests below: 4 requests of 2 tokens, K = V = 16, HV = 2, an fp32 pool of 10
 // slots, request n in slot 2n + 1.
@@ -294,13 +297,16 @@ struct Small {
   }
 };
 
-TEST(DecodePadding, NegativeIndexReadsNothingWritesNothingAndZeroesItsRows) {
+class DecodePadding : public EachBackend {};
+INSTANTIATE_TEST_SUITE_P(Backends, DecodePadding, each_backend(), backend_name);
+
+TEST_P(DecodePadding, NegativeIndexReadsNothingWritesNothingAndZeroesItsRows) {
   Small s;
   s.indices[1] = -1;
   s.indices[3] = -7;
   s.o.fill_bytes(0xff);
   const std::vector<uint8_t> before = s.pool.bytes();
-  s.run(s.inputs());
+  s.run(s.inputs(), options());
   EXPECT_TRUE(
       std::equal(before.begin() + 3 * 2048, before.begin() + 4 * 2048, s.pool.bytes().begin() + 3 * 2048))
       << "padding row 1's slot (3) must not be written";
@@ -315,7 +321,10 @@ TEST(DecodePadding, NegativeIndexReadsNothingWritesNothingAndZeroesItsRows) {
       << "request 0's slot was updated";
 }
 
-TEST(DecodeVarlen, EmptyRequestsAndUnevenLengths) {
+class DecodeVarlen : public EachBackend {};
+INSTANTIATE_TEST_SUITE_P(Backends, DecodeVarlen, each_backend(), backend_name);
+
+TEST_P(DecodeVarlen, EmptyRequestsAndUnevenLengths) {
   Data d;
   make_data(parse_case("lengths=1,0,3,2 HV=2 regime=strong h0"), d);
   const int64_t slot_elems = 2 * 16 * 16;
@@ -330,7 +339,7 @@ TEST(DecodeVarlen, EmptyRequestsAndUnevenLengths) {
   DecodeOutputs out;
   out.o = o.output();
   StatePool view = pool.view();
-  decode(d.problem(), in, view, out);
+  decode(d.problem(), in, view, out, options());
   const reference::ForwardResult ref = oracle_forward(d);
   EXPECT_LE(rel_rms(ref.o, o.packed()), tolerance("decode", DType::f32, "o"));
   for (int64_t n = 0; n < 4; ++n)
@@ -340,7 +349,10 @@ TEST(DecodeVarlen, EmptyRequestsAndUnevenLengths) {
 }
 
 // Every bad input is rejected before anything is written: the pool and o stay bitwise unchanged.
-TEST(DecodeErrors, RejectedBeforeAnyWrite) {
+class DecodeErrors : public EachBackend {};
+INSTANTIATE_TEST_SUITE_P(Backends, DecodeErrors, each_backend(), backend_name);
+
+TEST_P(DecodeErrors, RejectedBeforeAnyWrite) {
   Small s(StateLayout::v_first, 3);
   s.o.fill_bytes(0x5a);
   const std::vector<uint8_t> pool_before = s.pool.bytes();
@@ -349,7 +361,7 @@ TEST(DecodeErrors, RejectedBeforeAnyWrite) {
     DecodeOutputs out;
     out.o = s.o.output();
     try {
-      decode(p, in, pool, out);
+      decode(p, in, pool, out, options());
       ADD_FAILURE() << "accepted: " << what;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
@@ -384,7 +396,7 @@ TEST(DecodeErrors, RejectedBeforeAnyWrite) {
     const std::vector<uint8_t> big_before = big.bytes();
     StatePool v = big.view();
     try {
-      decode(one.d.problem(), w, v, out);
+      decode(one.d.problem(), w, v, out, options());
       ADD_FAILURE() << "accepted a slot read by one request and written by another";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("is read by request 3 and written by request 0"),
@@ -406,7 +418,7 @@ TEST(DecodeErrors, RejectedBeforeAnyWrite) {
     const std::vector<uint8_t> big_before = big.bytes();
     StatePool v = big.view();
     try {
-      decode(p, spec, v, out);
+      decode(p, spec, v, out, options());
       ADD_FAILURE() << "accepted num_accepted_tokens " << bad;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("num_accepted_tokens"), std::string::npos) << e.what();
@@ -442,11 +454,12 @@ TEST(DecodeErrors, RejectedBeforeAnyWrite) {
     StatePool v = s.pool.view();
     v.data = s.o.output().data;
     v.num_slots = 1;
-    EXPECT_THROW(decode(p, in, v, out), Error);
+    EXPECT_THROW(decode(p, in, v, out, options()), Error);
   }
 }
 
-// Results do not depend on the thread count, on how often the pool was used, or on the callers.
+// On the CPU backend: results do not depend on the thread count, on how often the pool was used, or on the
+// callers.
 TEST(DecodeThreads, BitwiseIdenticalOverThreadsRepeatsAndCallers) {
   auto run_once = [](int threads, Context* ctx) {
     Small s(StateLayout::k_first, 3);
@@ -499,7 +512,10 @@ TEST(DecodeThreads, LargeStepsSplitAmongWorkersBitwiseIdentical) {
 // Pooled prefill: the same outputs and final states as the plain call, bit for bit, with the states
 // read from and written to slots; a negative index starts from zeros and stores nothing;
 // has_initial_state = 0 starts from zeros and stores.
-TEST(PooledPrefill, EqualsThePlainForward) {
+class PooledPrefill : public EachBackend {};
+INSTANTIATE_TEST_SUITE_P(Backends, PooledPrefill, each_backend(), backend_name);
+
+TEST_P(PooledPrefill, EqualsThePlainForward) {
   for (Kernel kernel : kKernels) {
     for (DType pool_dtype : {DType::f32, DType::bf16}) {
       for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
@@ -523,8 +539,8 @@ TEST(PooledPrefill, EqualsThePlainForward) {
           }
         }
         const std::vector<uint8_t> before = pool.bytes();
-        const ForwardRun plain = run_forward(kernel, d, {}, false);
-        RunOptions opt;  // the kernel under test itself (run_forward does the same)
+        const ForwardRun plain = run_forward(kernel, d, options(), false);
+        RunOptions opt = options();  // the kernel under test itself (run_forward does the same)
         opt.forward_kernel = kernel == Kernel::chunk ? ForwardKernel::chunked : ForwardKernel::recurrent;
         std::vector<float> plain_final(static_cast<size_t>(4 * slot_elems));
         {
@@ -535,7 +551,7 @@ TEST(PooledPrefill, EqualsThePlainForward) {
           if (kernel == Kernel::chunk)
             chunk_forward(d.problem(), d.inputs(), out, opt);
           else
-            recurrent_forward(d.problem(), d.inputs(), out);
+            recurrent_forward(d.problem(), d.inputs(), out, opt);
         }
         PooledStates ps;
         ps.pool = pool.view();
@@ -550,7 +566,7 @@ TEST(PooledPrefill, EqualsThePlainForward) {
         if (kernel == Kernel::chunk)
           chunk_forward(d.problem(), in, out, opt);
         else
-          recurrent_forward(d.problem(), in, out);
+          recurrent_forward(d.problem(), in, out, opt);
         EXPECT_TRUE(bitwise_equal(o, plain.out.o)) << "o";
         for (int64_t n = 0; n < 4; ++n) {
           if (indices[n] < 0) continue;
@@ -568,7 +584,7 @@ TEST(PooledPrefill, EqualsThePlainForward) {
   }
 }
 
-TEST(PooledPrefill, Errors) {
+TEST_P(PooledPrefill, Errors) {
   Small s;
   PooledStates ps;
   ps.pool = s.pool.view();
@@ -580,17 +596,17 @@ TEST(PooledPrefill, Errors) {
   ForwardOutputs out;
   out.o = s.o.output();
   const std::vector<uint8_t> before = s.pool.bytes();
-  EXPECT_THROW(chunk_forward(s.d.problem(), in, out), Error);
+  EXPECT_THROW(chunk_forward(s.d.problem(), in, out, options()), Error);
   std::vector<int64_t> far = {1, 3, 10, 5};
   ps.indices = make_indices(far.data(), 4);
-  EXPECT_THROW(chunk_forward(s.d.problem(), in, out), Error);
+  EXPECT_THROW(chunk_forward(s.d.problem(), in, out, options()), Error);
   ps.indices = make_indices(s.indices.data(), 4);
   in.initial_state = s.d.h0.data();
-  EXPECT_THROW(chunk_forward(s.d.problem(), in, out), Error);
+  EXPECT_THROW(chunk_forward(s.d.problem(), in, out, options()), Error);
   in.initial_state = nullptr;
   std::vector<float> final_state(4 * 2 * 16 * 16);
   out.final_state = final_state.data();
-  EXPECT_THROW(recurrent_forward(s.d.problem(), in, out), Error);
+  EXPECT_THROW(recurrent_forward(s.d.problem(), in, out, options()), Error);
   EXPECT_EQ(s.pool.bytes(), before);
 }
 

@@ -1,6 +1,8 @@
-// Forward parity of both kernels (chunked and recurrent) against the float64 oracle: every gate
-// regime and fused option, edge lengths, variable-length batches, GVA, head sizes, layouts, dtypes,
-// strided views, per-chunk states; plus determinism over thread counts.
+// Forward parity of both kernels (chunked and recurrent) against the float64 oracle, on every backend
+// of the build (the parity suites and the placed gates run each case on each: "cpu", and
+// "reference", the oracle behind the same entry points): every gate regime and fused option, edge
+// lengths, variable-length batches, GVA, head sizes, layouts, dtypes, strided views, per-chunk
+// states; plus, on the CPU, determinism over thread counts and the automatic kernel choice.
 // Tolerances (relative RMS against the oracle): harness/definitions.txt's forward rows.
 // Set KDA_TEST_VERBOSE=1 to print every case's errors.
 #include <gtest/gtest.h>
@@ -19,7 +21,8 @@ namespace {
 // Returns the run.
 ForwardRun check_parity(Kernel kernel, const Data& d, const reference::ForwardResult& ref,
                         const RunOptions& opt = {}) {
-  SCOPED_TRACE(kernel_name(kernel));
+  SCOPED_TRACE(std::string(kernel_name(kernel)) + " on " +
+               (opt.backend ? opt.backend : "the automatic backend"));
   ForwardRun run = run_forward(kernel, d, opt);
   const ForwardOut& out = run.out;
   // o is stored in the inputs' dtype; the states are fp32 whatever the inputs, and the oracle saw the
@@ -37,32 +40,36 @@ ForwardRun check_parity(Kernel kernel, const Data& d, const reference::ForwardRe
   EXPECT_LE(e_s, tol_states) << "final state";
   EXPECT_LE(e_c, tol_states) << "chunk states";
   if (verbose())
-    std::printf("  %-9s %-90s o %.2e  state %.2e  chunks %.2e\n", kernel_name(kernel), d.c.name().c_str(),
-                e_o, e_s, e_c);
+    std::printf("  %-9s %-9s %-90s o %.2e  state %.2e  chunks %.2e\n", opt.backend ? opt.backend : "",
+                kernel_name(kernel), d.c.name().c_str(), e_o, e_s, e_c);
   return run;
 }
 
-void check_both_kernels(const Case& c) {
+void check_both_kernels(const Case& c, const RunOptions& opt) {
   SCOPED_TRACE(c.name());
   Data d;
   make_data(c, d);
   const reference::ForwardResult ref = oracle_forward(d);
   ASSERT_TRUE(all_finite(ref.o));
   ASSERT_TRUE(all_finite(ref.final_state));
-  for (Kernel k : kKernels) check_parity(k, d, ref);
+  for (Kernel k : kKernels) check_parity(k, d, ref, opt);
 }
 
-class ForwardParity : public ::testing::TestWithParam<Case> {};
+// A case on a backend (harness::OnBackend: named "<backend>_<case>").
+class ForwardParity : public ::testing::TestWithParam<OnBackend<Case>> {};
 
-TEST_P(ForwardParity, BothKernels) { check_both_kernels(GetParam()); }
+TEST_P(ForwardParity, BothKernels) { check_both_kernels(GetParam().c, GetParam().options()); }
+
+// Every case of a list on every backend.
+auto on_each_backend(const std::vector<Case>& cases) { return ::testing::ValuesIn(on_backends(cases)); }
 
 INSTANTIATE_TEST_SUITE_P(Grid, ForwardParity,
-                         ::testing::ValuesIn(sized_for_this_run(parity_grid(0x5eed0000u, false))), case_name);
+                         on_each_backend(sized_for_this_run(parity_grid(0x5eed0000u, false))), case_name);
 
 // The lower-bound gate under every regime (raw inputs that push the sigmoid to both ends).
 INSTANTIATE_TEST_SUITE_P(
     LowerBoundGate, ForwardParity,
-    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+    on_each_backend(sized_for_this_run(parse_cases({
         "T=97 HV=2 K=128 V=16 lower_bound v_first h0 seed=300",
         "T=110 HV=2 K=60 V=100 regime=strong lower_bound=-1 l2norm beta=sigmoid seed=301",
         "T=123 HV=2 K=128 V=16 regime=zero lower_bound=-20 no_dt_bias h0 beta=sigmoid_x2 seed=302",
@@ -74,7 +81,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Packed variable-length batches: sequences of length 1, 0, multiples and non-multiples of 64.
 INSTANTIATE_TEST_SUITE_P(
     Varlen, ForwardParity,
-    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+    on_each_backend(sized_for_this_run(parse_cases({
         "lengths=1,63,130,64,17 H=2 HV=4 K=60 V=100 h0 seed=400",
         "lengths=1,63,130,64,17 HV=1 K=128 V=128 regime=spike v_first h0 seed=401",
         "lengths=1,63,0,130,64,17,0 HV=2 K=100 V=60 regime=unbounded softplus l2norm beta=sigmoid v_first h0 "
@@ -89,7 +96,7 @@ INSTANTIATE_TEST_SUITE_P(
 // no tokens at all (the final state is the initial state, no chunk states).
 INSTANTIATE_TEST_SUITE_P(
     Layouts, ForwardParity,
-    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+    on_each_backend(sized_for_this_run(parse_cases({
         "lengths=70,1,64,30 H=2 HV=4 K=60 V=100 strided softplus l2norm beta=sigmoid h0 seed=500",
         "B=3 T=81 HV=2 K=128 V=60 strided regime=spike bf16 v_first h0 seed=501",
         "B=2 T=100 H=2 HV=4 K=100 V=100 regime=strong bf16 gate_dtype=f32 h0 seed=502",
@@ -102,7 +109,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Head sizes beyond the usual ones: the smallest, the largest (256), odd ones, very unequal K and V.
 INSTANTIATE_TEST_SUITE_P(HeadDims, ForwardParity,
-                         ::testing::ValuesIn(sized_for_this_run(parse_cases({
+                         on_each_backend(sized_for_this_run(parse_cases({
                              "T=70 HV=1 K=1 V=1 h0 seed=800",
                              "B=2 T=81 HV=2 K=256 V=256 regime=strong v_first h0 seed=801",
                              "T=92 HV=1 K=7 V=33 seed=802",
@@ -112,13 +119,12 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, ForwardParity,
                          }))),
                          case_name);
 
-// One long sequence: error must not grow along it.
 // The gated delta rule (per_head: one log decay per head and token, g [B, T, HV]) in every gate
 // regime and gate mode, odd and varlen lengths (0, 1, multiples and non-multiples of the chunk), GVA,
 // both layouts, bf16, strided views and the smallest heads.
 INSTANTIATE_TEST_SUITE_P(
     GatedDeltaRule, ForwardParity,
-    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+    on_each_backend(sized_for_this_run(parse_cases({
         "T=97 HV=2 K=64 V=48 per_head h0 seed=900",
         "T=130 H=2 HV=4 K=60 V=100 regime=strong per_head v_first seed=901",
         "T=65 HV=2 K=128 V=16 regime=zero per_head h0 seed=902",
@@ -135,13 +141,21 @@ INSTANTIATE_TEST_SUITE_P(
     }))),
     case_name);
 
-TEST(ForwardLong, T4096OneHead) { check_both_kernels(parse_case("T=4096 K=128 V=128 h0 seed=600")); }
+// One long sequence: error must not grow along it.
+class ForwardLong : public EachBackend {};
+TEST_P(ForwardLong, T4096OneHead) {
+  check_both_kernels(parse_case("T=4096 K=128 V=128 h0 seed=600"), options());
+}
+INSTANTIATE_TEST_SUITE_P(Backends, ForwardLong, each_backend(), backend_name);
 
 // Gates placed on purpose, channel by channel: a decay of e^-15 at every token, 2^-4.5 and 2^-5 per
 // token, a middle block of strong decays in one head, and -1000 spikes on consecutive tokens;
 // blocks of 64 cut the patterns; K = 40 has padded key lanes, V = 40 a partial column block of the
 // recurrent sweep. One thread gives work items of two heads, two threads items of one.
-TEST(ForwardGatePatterns, PlacedDecays) {
+class ForwardGatePatterns : public EachBackend {};
+INSTANTIATE_TEST_SUITE_P(Backends, ForwardGatePatterns, each_backend(), backend_name);
+
+TEST_P(ForwardGatePatterns, PlacedDecays) {
   const Case c = parse_case("T=150 H=2 HV=4 K=40 V=40 h0 seed=610");
   SCOPED_TRACE(c.name());
   Data d;
@@ -159,7 +173,7 @@ TEST(ForwardGatePatterns, PlacedDecays) {
   for (Kernel k : kKernels)
     for (int threads : {1, 2}) {
       SCOPED_TRACE(threads);
-      check_parity(k, d, ref, RunOptions{threads});
+      check_parity(k, d, ref, options(RunOptions{threads}));
     }
 }
 
@@ -167,7 +181,7 @@ TEST(ForwardGatePatterns, PlacedDecays) {
 // and consecutive tokens, on the first and last token of a 4-token group and of a 64-token block, a
 // head decaying at e^-15 per token, and -1e-30 (no decay to float precision); T = 150 leaves a partial
 // group and block.
-TEST(ForwardGatePatterns, PerHeadSpikesAndUnderflow) {
+TEST_P(ForwardGatePatterns, PerHeadSpikesAndUnderflow) {
   const Case c = parse_case("T=150 H=2 HV=4 K=40 V=40 per_head h0 seed=612");
   SCOPED_TRACE(c.name());
   Data d;
@@ -183,13 +197,13 @@ TEST(ForwardGatePatterns, PerHeadSpikesAndUnderflow) {
   for (Kernel k : kKernels)
     for (int threads : {1, 2}) {
       SCOPED_TRACE(threads);
-      check_parity(k, d, ref, RunOptions{threads});
+      check_parity(k, d, ref, options(RunOptions{threads}));
     }
 }
 
 // Values of 1e33 (states of ~1e34) stay finite and meet the tolerance: nothing in either kernel
 // scales the state up (a channel at e^-4.6 per token, the others without decay).
-TEST(ForwardGatePatterns, LargeValuesStayFinite) {
+TEST_P(ForwardGatePatterns, LargeValuesStayFinite) {
   const Case c = parse_case("T=130 K=64 V=64 regime=zero seed=611");
   SCOPED_TRACE(c.name());
   Data d;
@@ -200,10 +214,11 @@ TEST(ForwardGatePatterns, LargeValuesStayFinite) {
   }
   const reference::ForwardResult ref = oracle_forward(d);
   ASSERT_TRUE(all_finite(ref.o));
-  for (Kernel k : kKernels) check_parity(k, d, ref);
+  for (Kernel k : kKernels) check_parity(k, d, ref, options());
 }
 
-// Bitwise identical results whatever the thread count; requesting states does not change o.
+// On the CPU backend: bitwise identical results whatever the thread count; requesting states does not change
+// o.
 TEST(ForwardDeterminism, ThreadCounts) {
   Data d;
   make_data(

@@ -1,11 +1,13 @@
 // Segment transitions (context parallelism): the map S_out = M S_in + S_local a sequence applies to
 // its entering state, against the float64 oracle run from a random entering state, in every gate
 // regime and both gate widths; M's norm bound; the readout's adjoint sum_t R_t dO_t^T against the
-// oracle's entering-state gradient; chaining two halves of a sequence; bad arguments.
+// oracle's entering-state gradient (both on every backend of the build: "cpu", and "reference", the
+// oracle behind the same entry points); chaining two halves of a sequence; bad arguments.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <string_view>
 #include <vector>
 
 #include "kda/kda.h"
@@ -110,16 +112,17 @@ double largest_norm(const Case& c, const std::vector<float>& M) {
   return worst;
 }
 
-class SegmentTransition : public ::testing::TestWithParam<Case> {};
+// A case on a backend (harness::OnBackend: named "<backend>_<case>").
+class SegmentTransition : public ::testing::TestWithParam<OnBackend<Case>> {};
 
 // Against the oracle: the state the last sequence leaves from its (random) entering state.
 TEST_P(SegmentTransition, AgainstTheOracle) {
   Data d;
-  make_data(GetParam(), d);
+  make_data(GetParam().c, d);
   const Case& c = d.c;
   const int64_t n = d.num_sequences() - 1;
   const reference::ForwardResult ref = oracle_forward(d);
-  const Transition t = transition_of(d, n);
+  const Transition t = transition_of(d, n, GetParam().options());
   const int64_t state = c.HV * c.K * c.V;
   const std::vector<double> got = apply(c, t, d.h0.data() + n * state);
   const std::vector<double> want(ref.final_state.begin() + n * state,
@@ -129,7 +132,7 @@ TEST_P(SegmentTransition, AgainstTheOracle) {
   EXPECT_LE(largest_norm(c, t.M), 1.0 + 1e-5);
   for (float x : t.M) ASSERT_TRUE(std::isfinite(x));
   // Bitwise the same on any thread count.
-  const Transition t2 = transition_of(d, n, RunOptions{2});
+  const Transition t2 = transition_of(d, n, GetParam().options(RunOptions{2}));
   EXPECT_EQ(t.M, t2.M);
   EXPECT_EQ(t.S_local, t2.S_local);
 }
@@ -140,13 +143,13 @@ TEST_P(SegmentTransition, AgainstTheOracle) {
 // thread count.
 TEST_P(SegmentTransition, ReadoutGivesTheAdjoint) {
   Data d;
-  make_data(GetParam(), d);
+  make_data(GetParam().c, d);
   const Case& c = d.c;
   const int64_t n = d.num_sequences() - 1;
   Cotangents ct;
   make_cotangents(d, false, c.seed, ct);
   const reference::Gradients ref = oracle_backward(d, ct);
-  const Transition t = transition_of(d, n, {}, true);
+  const Transition t = transition_of(d, n, GetParam().options(), true);
   ASSERT_TRUE(all_finite(t.readout));
   const int64_t state = c.HV * c.K * c.V;
   const std::vector<double> got = adjoint(d, n, t, ct.d_o);
@@ -155,16 +158,25 @@ TEST_P(SegmentTransition, ReadoutGivesTheAdjoint) {
   const double error = rel_rms(want, got);
   if (verbose()) std::printf("%s: adjoint error %.3g\n", c.name().c_str(), error);
   EXPECT_LE(error, tolerance("forward", DType::f32, "state"));
-  const Transition plain = transition_of(d, n);
+  const Transition plain = transition_of(d, n, GetParam().options());
   EXPECT_EQ(t.M, plain.M);
   EXPECT_EQ(t.S_local, plain.S_local);
-  const Transition t2 = transition_of(d, n, RunOptions{2}, true);
+  const Transition t2 = transition_of(d, n, GetParam().options(RunOptions{2}), true);
   EXPECT_EQ(t.readout, t2.readout);
+}
+
+// Every case on the CPU; on the reference backend (the float64 oracle runs the augmented forward,
+// ~T HV K (V + K) per pass) every case but the last, whose pieces are the API's and not a backend's
+// (about 20 s there against 5 s on the CPU, Release build).
+std::vector<OnBackend<Case>> transition_cases(const std::vector<Case>& cases) {
+  return on_backends(cases, [&](std::string_view backend, size_t i) {
+    return backend != "reference" || cases[i].T * cases[i].HV < 10000;
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, SegmentTransition,
-    ::testing::ValuesIn(sized_for_this_run(parse_cases({
+    ::testing::ValuesIn(transition_cases(sized_for_this_run(parse_cases({
         "T=97 HV=2 K=32 V=48 h0 seed=3000",
         "T=130 H=1 HV=2 K=40 V=24 regime=strong v_first h0 seed=3001",
         "T=65 HV=1 K=16 V=16 regime=zero h0 seed=3002",
@@ -178,7 +190,7 @@ INSTANTIATE_TEST_SUITE_P(
         "T=91 H=2 HV=4 K=24 V=20 regime=spike h0 seed=3008",
         // Two pieces of the augmented forward (320 tokens each at HV (V + K) = 12288 floats a row).
         "T=400 H=16 HV=64 K=128 V=64 regime=strong v_first h0 seed=3009",
-    }))),
+    })))),
     case_name);
 
 // Two halves of one sequence: the second's transition applied to the state the first leaves is the

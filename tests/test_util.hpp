@@ -21,6 +21,16 @@ inline bool verbose() {
 // gtest names a parameterised case (Case, or a suite's case with a name()) by its name.
 inline constexpr auto case_name = [](const auto& info) -> std::string { return info.param.name(); };
 
+// A suite whose tests run on every backend of the build (harness::backends()): the parameter is the
+// backend's name, options() the RunOptions that name it. Instantiate it with
+// INSTANTIATE_TEST_SUITE_P(Backends, Suite, each_backend(), backend_name).
+class EachBackend : public ::testing::TestWithParam<std::string> {
+ protected:
+  RunOptions options(RunOptions opt = {}) const { return on_backend(GetParam(), opt); }
+};
+inline auto each_backend() { return ::testing::ValuesIn(harness::backends()); }
+inline constexpr auto backend_name = [](const auto& info) -> std::string { return info.param; };
+
 // `call` must throw kda::Error whose message names `arg` ("argument 'arg'") and, when given, says
 // `says` too.
 inline void expect_kda_error(const std::string& arg, const std::function<void()>& call,
