@@ -459,6 +459,36 @@ TEST(CAbi, PrecisionOption) {
   EXPECT_STREQ(kda_bf16_product_unit(), kda::bf16_product_unit());
 }
 
+// kda_run_options.backend (appended after 0.4.0, past the 0.4 layout's padding reserved1) reaches the
+// C++ option for every backend kda_backend_name lists; a 0.4 caller's shorter struct reads it as NULL
+// (automatic), and an unknown name is rejected naming it and listing the compiled ones.
+TEST(CAbi, BackendOption) {
+  std::vector<std::string> names;
+  for (int32_t i = 0; kda_backend_name(i) != nullptr; ++i) names.emplace_back(kda_backend_name(i));
+  EXPECT_EQ(names, kda::backends());
+  EXPECT_EQ(kda_backend_name(-1), nullptr);
+  Fixture f;
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    kda_run_options options = kOneThread;
+    options.backend = name.c_str();
+    kda::RunOptions opt{1};
+    opt.backend = name.c_str();
+    expect_same_forward(f, options, opt);
+  }
+  // A 0.4 caller: its struct ends with reserved1; whatever follows it in memory is not read.
+  kda_run_options old = kOneThread;
+  old.struct_size = offsetof(kda_run_options, reserved1) + 4;
+  old.backend = "reference";
+  expect_same_forward(f, old, kda::RunOptions{1});
+  const kda_forward_inputs in = f.c_inputs();
+  const kda_forward_outputs out = f.c_outputs();
+  kda_run_options bad = kOneThread;
+  bad.backend = "cuda";
+  expect_rejected(f, "argument 'backend': no backend named 'cuda' in this build; compiled: cpu, reference",
+                  [&] { return kda_recurrent_forward(&f.cp, &in, &out, &bad); });
+}
+
 TEST(CAbi, NullStructPointersNameTheArgument) {
   Fixture f;
   const kda_forward_inputs in = f.c_inputs();

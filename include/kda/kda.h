@@ -18,8 +18,9 @@
  * field never reuses them): a library reads a shorter struct with the appended fields at their
  * defaults, and a library older than the header a caller was built with rejects a call that sets one
  * it does not know (nonzero bytes past its own struct) with KDA_ERROR_NOT_SUPPORTED. kda_problem's
- * gate_width came in 0.3. Tensor views (kda_input, kda_output, kda_index_view) never change. Structs
- * from before 0.2 (without struct_size) are not compatible.
+ * gate_width came in 0.3, kda_run_options's precision in 0.4 and its backend after 0.4.0. Tensor
+ * views (kda_input, kda_output, kda_index_view) never change. Structs from before 0.2 (without
+ * struct_size) are not compatible.
  *
  * Since 0.4, kda_problem's defaults come from kda_problem_init(p, struct_size), which writes exactly
  * struct_size bytes; kda_problem_default() below is an inline function that calls it with this
@@ -266,6 +267,12 @@ typedef struct kda_run_options {
   int32_t reserved0;      /* the 0.3 layout's trailing padding: ignored, never a field (see Versioning) */
   /* Appended in 0.4 (see Versioning): */
   int32_t precision; /* KDA_PRECISION_* (default EXACT); kda_chunk_forward only */
+  int32_t reserved1; /* the 0.4 layout's trailing padding: ignored, never a field (see Versioning) */
+  /* Appended after 0.4.0 (see Versioning): */
+  const char* backend; /* a name of kda_backend_name(): the backend the call runs on ("cpu", or
+                        * "reference", the float64 oracle), or a KDA_ERROR_INVALID_ARGUMENT naming
+                        * it; NULL (default): the first that runs the call and is picked automatically
+                        * (kda::RunOptions::backend) */
 } kda_run_options;
 
 /* Initialisers: the struct's size, every other field zero. Designated, so that -Wextra's
@@ -304,6 +311,10 @@ KDA_API const char* kda_status_string(kda_status status);
  * environment variable KDA_BF16_UNIT names; NULL (see kda_last_error) when that names one this CPU
  * lacks. */
 KDA_API const char* kda_bf16_product_unit(void);
+
+/* (after 0.4.0) The name of backend `index` of this library, in the order a call that names none tries
+ * them (kda::backends(): "cpu", "reference"), for kda_run_options.backend; NULL past the last. */
+KDA_API const char* kda_backend_name(int32_t index);
 
 /* (0.4) Writes a problem with every field at its default (batch 1, default scale, K-first state, log-decay
  * gate, given beta, gate_lower_bound -5, per-key gate width; the shape fields 0, to be set) into

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "capi/problem_layouts.hpp"
 #include "kda/kda.h"
@@ -73,6 +74,8 @@ static_assert(offsetof(kda_run_options, precision) == offsetof(kda_run_options, 
               "kda_run_options's first layout ends 4 bytes of padding after forward_kernel");
 static_assert(offsetof(kda_problem, gate_width) == offsetof(kda_problem, beta_mode) + 8,
               "kda_problem's first layout ends 4 bytes of padding after beta_mode");
+static_assert(offsetof(kda_run_options, backend) == offsetof(kda_run_options, precision) + 8,
+              "kda_run_options's 0.4 layout ends 4 bytes of padding after precision (reserved1 now)");
 
 // The exported kda_problem_default (compat.cpp) returns kda_problem_v0_2: kda_problem's first layout,
 // field for field.
@@ -294,6 +297,7 @@ kda::RunOptions to_cpp(const kda_run_options* c, const char* function) {
   opt.context = o.context != nullptr ? &o.context->context : nullptr;
   opt.forward_kernel = static_cast<kda::ForwardKernel>(o.forward_kernel);  // checked by the C++ API
   opt.precision = static_cast<kda::Precision>(o.precision);                // read as 0 (exact) from 0.3's
+  opt.backend = o.backend;  // read as NULL (automatic) from 0.4's; an unknown name is a kda::Error
   return opt;
 }
 
@@ -377,6 +381,17 @@ const char* kda_status_string(kda_status status) {
 const char* kda_bf16_product_unit(void) {
   const char* unit = nullptr;
   return guarded([&] { unit = kda::bf16_product_unit(); }) == KDA_OK ? unit : nullptr;
+}
+
+// No kda_status, so kda_last_error() is left as it was; nothing to fail but the first call's copy.
+const char* kda_backend_name(int32_t index) {
+  try {
+    static const std::vector<std::string> names = kda::backends();  // live as long as the library
+    return index >= 0 && static_cast<size_t>(index) < names.size() ? names[static_cast<size_t>(index)].c_str()
+                                                                   : nullptr;
+  } catch (...) {
+    return nullptr;
+  }
 }
 
 kda_status kda_problem_init(kda_problem* p, size_t struct_size) {

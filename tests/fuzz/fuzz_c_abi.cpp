@@ -548,6 +548,8 @@ int run_one(const uint8_t* bytes, size_t size) {
   opt.forward_kernel =
       rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int32_t>(-1, 4) : fz.ConsumeIntegralInRange<int32_t>(0, 2);
   opt.precision = rare(fz, 0.03f) ? fz.ConsumeIntegralInRange<int32_t>(-1, 3) : (rare(fz, 0.2f) ? 1 : 0);
+  // Now and then a backend by name: the float64 oracle's ("reference"), the CPU's, or one there is not.
+  if (rare(fz, 0.15f)) opt.backend = fz.PickValueInArray<const char*>({"reference", "cpu", "nope", ""});
   vopt.finish(fz);
   const kda_run_options* options = rare(fz, 0.2f) ? nullptr : &opt;
 
