@@ -1,15 +1,17 @@
 // kda: Kimi Delta Attention kernels. Public C++ API.
 //
 // One problem descriptor (kda::Problem) describes a KDA call: shapes, layouts and the fused
-// pre-processing options. Every entry point (chunked and recurrent forward, their backward, the
-// float64 oracle) takes the same descriptor plus typed views of the tensors, validates them in one
-// place and throws kda::Error with a message naming the offending argument.
+// pre-processing options. Every entry point (chunked and recurrent forward, their backward, decode,
+// the float64 oracle) takes the same descriptor plus typed views of the tensors, validates them in
+// one place and throws kda::Error with a message naming the offending argument. A call runs on a
+// backend (RunOptions::backend, backends()): the CPU's SIMD kernels, or by name the float64 oracle.
 //
 // Tensor conventions (the ones flash-linear-attention's chunk_kda / fused_recurrent_kda use):
 //   q, k  [B, T, H,  K]        v     [B, T, HV, V]       g  [B, T, HV, G]       beta [B, T, HV]
 //   o     [B, T, HV, V]        A_log [HV] fp32           dt_bias [HV * G] fp32
 //   G = K (GateWidth::per_key, KDA), 1 (GateWidth::per_head, the gated delta rule) or V
-//       (GateWidth::per_value, a decay per value channel: the float64 oracle's forward only so far)
+//       (GateWidth::per_value, a decay per value channel: the float64 oracle's forward only so far,
+//       kda::reference or the backend "reference")
 //   state [N, HV, K, V] (StateLayout::k_first) or [N, HV, V, K] (StateLayout::v_first), fp32,
 //         N = B, or the number of sequences when cu_seqlens is given (then B must be 1).
 // Activations may be strided in their B, T and head dimensions; the last dimension is contiguous.
@@ -63,7 +65,8 @@ enum class GateWidth : int32_t {
   per_key = 0,   // KDA: g [B, T, HV, K], one decay per key channel; dt_bias [HV * K]
   per_head = 1,  // the gated delta rule (Gated DeltaNet): g [B, T, HV], one decay per head; dt_bias [HV]
   // g [B, T, HV, V], one decay per value channel (the state's columns decay); dt_bias [HV * V].
-  // Computed by the float64 oracle's forward only: the CPU kernels refuse it (not supported yet).
+  // Computed by the float64 oracle's forward only (kda::reference, or RunOptions::backend "reference"):
+  // the CPU kernels refuse it (not supported yet).
   per_value = 2,
 };
 
