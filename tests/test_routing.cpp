@@ -27,6 +27,7 @@ struct Call {
   Problem p;
   std::vector<int64_t> cu;
   std::vector<float> q, k, v, g, beta, o, final_state, chunk_states;
+  int64_t G = 0;  // g's last dimension
   ForwardInputs in;
   ForwardOutputs out;
 
@@ -39,9 +40,7 @@ struct Call {
     p.value_dim = 4;
     p.gate_width = width;
     if (!cu.empty()) p.cu_seqlens = cu;
-    const int64_t G = width == GateWidth::per_head    ? 1
-                      : width == GateWidth::per_value ? p.value_dim
-                                                      : p.key_dim;
+    G = width == GateWidth::per_head ? 1 : width == GateWidth::per_value ? p.value_dim : p.key_dim;
     q.assign(static_cast<size_t>(T * 8), 0.1f);
     k.assign(static_cast<size_t>(T * 8), 0.2f);
     v.assign(static_cast<size_t>(T * 2 * 4), 0.3f);
@@ -63,6 +62,29 @@ struct Call {
   }
 };
 
+// A backward call on a Call's forward: d_o all ones, every gradient buffer filled with `fill`.
+struct Grads {
+  std::vector<float> d_o, dq, dk, dv, dg, dbeta;
+  BackwardInputs in;
+  BackwardOutputs out;
+
+  Grads(const Call& c, float fill)
+      : d_o(c.o.size(), 1.0f),
+        dq(c.q.size(), fill),
+        dk(c.k.size(), fill),
+        dv(c.v.size(), fill),
+        dg(c.g.size(), fill),
+        dbeta(c.beta.size(), fill) {
+    in.fwd = c.in;
+    in.d_o = make_input(d_o.data(), DType::f32, c.p, 2, 4);
+    out.dq = make_output(dq.data(), DType::f32, c.p, 1, 8);
+    out.dk = make_output(dk.data(), DType::f32, c.p, 1, 8);
+    out.dv = make_output(dv.data(), DType::f32, c.p, 2, 4);
+    out.dg = make_output(dg.data(), DType::f32, c.p, 2, c.G);
+    out.dbeta = make_output(dbeta.data(), DType::f32, c.p, 2, 1);
+  }
+};
+
 TEST(Validation, OncePerCall) {
   Call c(70);
   int64_t before = validation_count();
@@ -76,18 +98,10 @@ TEST(Validation, OncePerCall) {
   recurrent_forward(prepared, c.in, c.out);
   EXPECT_EQ(validation_count() - before, 1) << "entry points on a prepared problem do not validate again";
 
-  std::vector<float> d_o(c.o.size(), 1.0f), dq(c.q.size()), dk(c.k.size()), dv(c.v.size()), dg(c.g.size()),
-      dbeta(c.beta.size());
-  BackwardInputs bin;
-  bin.fwd = c.in;
-  bin.d_o = make_input(d_o.data(), DType::f32, c.p, 2, 4);
-  bin.chunk_states = c.chunk_states.data();
-  BackwardOutputs bout;
-  bout.dq = make_output(dq.data(), DType::f32, c.p, 1, 8);
-  bout.dk = make_output(dk.data(), DType::f32, c.p, 1, 8);
-  bout.dv = make_output(dv.data(), DType::f32, c.p, 2, 4);
-  bout.dg = make_output(dg.data(), DType::f32, c.p, 2, 8);
-  bout.dbeta = make_output(dbeta.data(), DType::f32, c.p, 2, 1);
+  Grads grads(c, 0.0f);
+  grads.in.chunk_states = c.chunk_states.data();
+  const BackwardInputs& bin = grads.in;
+  const BackwardOutputs& bout = grads.out;
   before = validation_count();
   chunk_backward(prepared, bin, bout);
   recurrent_backward(prepared, bin, bout);
@@ -266,21 +280,11 @@ TEST(Backends, PerValueGateRunsOnTheReferenceBackend) {
   const reference::ForwardResult want = reference::forward(prepared, reference::widen(c.p, c.in));
   for (size_t i = 0; i < c.o.size(); ++i) ASSERT_EQ(c.o[i], static_cast<float>(want.o[i])) << i;
 
-  std::vector<float> d_o(c.o.size(), 1.0f), dq(c.q.size(), kSentinel), dk(c.k.size(), kSentinel),
-      dv(c.v.size(), kSentinel), dg(c.g.size(), kSentinel), dbeta(c.beta.size(), kSentinel);
-  BackwardInputs bin;
-  bin.fwd = c.in;
-  bin.d_o = make_input(d_o.data(), DType::f32, c.p, 2, 4);
-  BackwardOutputs bout;
-  bout.dq = make_output(dq.data(), DType::f32, c.p, 1, 8);
-  bout.dk = make_output(dk.data(), DType::f32, c.p, 1, 8);
-  bout.dv = make_output(dv.data(), DType::f32, c.p, 2, 4);
-  bout.dg = make_output(dg.data(), DType::f32, c.p, 2, 4);
-  bout.dbeta = make_output(dbeta.data(), DType::f32, c.p, 2, 1);
+  Grads grads(c, kSentinel);
   test::expect_kda_error(
-      "backend", [&] { chunk_backward(prepared, bin, bout, oracle); },
+      "backend", [&] { chunk_backward(prepared, grads.in, grads.out, oracle); },
       "'reference' does not run this chunk_backward call: argument 'gate_width': per_value");
-  for (const auto* grad : {&dq, &dk, &dv, &dg, &dbeta})
+  for (const auto* grad : {&grads.dq, &grads.dk, &grads.dv, &grads.dg, &grads.dbeta})
     for (float x : *grad) ASSERT_EQ(x, kSentinel) << "nothing is written for a refused call";
 }
 
