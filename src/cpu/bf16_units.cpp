@@ -364,15 +364,20 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
     const int nv = static_cast<int>(std::min<int64_t>(4, (N - n) / 16));
     const uint16_t* Bn = B + 2 * n;
     int64_t m = 0;
+    // The pairs rows [m, m + rows) need: all, or for a lower triangular A those up to the last row's.
+    const auto depth = [&](int64_t m, int64_t rows) {
+      return combine.a_lower ? std::min(pairs, (m + rows + 1) / 2) : pairs;
+    };
     for (; m + kRows <= M; m += kRows)
-      avx512_rows<kRows>(nv, pairs, A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
+      avx512_rows<kRows>(nv, depth(m, kRows), A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
     const uint16_t* Am = A + m * lda;
+    const int64_t tail = depth(m, M - m);
     switch (M - m) {
-      case 1: avx512_rows<1>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 2: avx512_rows<2>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 3: avx512_rows<3>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 4: avx512_rows<4>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 5: avx512_rows<5>(nv, pairs, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 1: avx512_rows<1>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 2: avx512_rows<2>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 3: avx512_rows<3>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 4: avx512_rows<4>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 5: avx512_rows<5>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
       default: break;
     }
   }
@@ -461,6 +466,8 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
   alignas(64) float stage[4][256];
   for (int64_t m = 0; m < M; m += 32) {
     const int rt = M - m > 16 ? 2 : 1;
+    // A lower triangular A's rows [m, m + 16 rt) end at depth m + 16 rt (Combine::a_lower).
+    const int64_t block_depth = combine.a_lower ? std::min(depth, packed_depth(m + 16 * rt)) : depth;
     for (int64_t n = 0; n < N; n += 32) {
       const int ct = N - n > 16 ? 2 : 1;
       const uint16_t* Am = A + m * lda;
@@ -474,13 +481,13 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
       const bool load = whole && combine.accumulate && combine.load_c;
       float* const* direct = whole && (!combine.accumulate || load) ? rows : nullptr;
       if (rt == 2 && ct == 2)
-        amx_block<2, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
+        amx_block<2, 2>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       else if (rt == 2)
-        amx_block<2, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
+        amx_block<2, 1>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       else if (ct == 2)
-        amx_block<1, 2>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
+        amx_block<1, 2>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       else
-        amx_block<1, 1>(depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
+        amx_block<1, 1>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
       if (direct != nullptr) continue;
       // Tile 2i + j holds rows m + 16i.., columns n + 16j..; rows past M go nowhere.
       for (int i = 0; i < rt; ++i)

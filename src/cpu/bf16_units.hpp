@@ -60,6 +60,10 @@ struct Combine {
   // (written long before, or by tile stores: a tile load of lines that vector stores just wrote
   // stalls until they drain); otherwise the sum passes a stage and a vector pass.
   bool load_c = false;
+  // A is lower triangular, A(m, p) = 0 for p > m (T and P of a chunk): each block of rows stops at the
+  // depth of its last row. The skipped terms are zero products, so for a finite B every sum is the one
+  // the whole depth gives; T Y and P Vn take about half the instructions.
+  bool a_lower = false;
   float* row(float* C, int64_t ldc, int64_t m) const {
     return second != nullptr && m >= second_from ? second + (m - second_from) * ldc : C + m * ldc;
   }

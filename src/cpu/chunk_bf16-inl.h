@@ -268,11 +268,13 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   for (int64_t i = 0; i < n; ++i) subtract_rows(U + i * ldx, Y_low + i * Vp, Vp);
   p.keep_b(1, n, Vp, U, ldx, 1);
   p.keep_b(0, n, Vp, Y_low, Vp, 1);
-  p.times_kept(1, n, b.T.data(), C, 1, {U, ldx});
-  p.times_kept_again(0, {.C = U, .ldc = ldx, .mode = Accumulate::add, .c_is_old = true});  // T converted once
+  // T is converted once for both parts; T and P are lower triangular, so their products skip the zeros.
+  p.times_kept(1, n, b.T.data(), C, 1, {.C = U, .ldc = ldx, .a_lower = true});
+  p.times_kept_again(0, {.C = U, .ldc = ldx, .mode = Accumulate::add, .c_is_old = true, .a_lower = true});
   clock.lap(Phase::state_products);
   p.keep_b(1, n, Vp, U, ldx, 1);
-  p.times_kept(1, n, w.P.data(), C, 1, {.C = O, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true});
+  p.times_kept(1, n, w.P.data(), C, 1,
+               {.C = O, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true, .a_lower = true});
   clock.lap(Phase::intra_output);
   p.times_kept(1, K, w.Kd.data(), 1, Kp, {.C = S, .ldc = Vp, .mode = Accumulate::add, .c_is_old = true});
   clock.lap(Phase::state_products);

@@ -70,6 +70,7 @@ class ChunkProducts {
     bool c_is_old = false;
     float* second = nullptr;
     int64_t second_from = 0;
+    bool a_lower = false;  // A is lower triangular (cpu::Combine::a_lower): the native units skip its zeros
   };
 
   // Off (every exact kernel), or bf16 products on product_unit(), sized for this problem's K and V.
@@ -131,6 +132,7 @@ class ChunkProducts {
       combine.accumulate = mode == Accumulate::add;
       combine.second = into.second, combine.second_from = into.second_from;
       combine.load_c = into.c_is_old;
+      combine.a_lower = into.a_lower;
       return cpu::native_gemm(unit_, a_.M, k.N, k.inner, a16_.data(), b16_[slot].data(), into.C, into.ldc,
                               combine);
     }
