@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/tuning.hpp"
 #include "kda/kda.hpp"
 
 #ifdef KDA_OPENMP
@@ -86,6 +88,8 @@ thread_local BlockCache* t_block_cache = nullptr;
 // while after each torch operation, so a helper woken for a short call may not run for a scheduler
 // tick: a caller that waited for such a helper made a short decode step slower on two threads than
 // on one (docs/performance.md, "Figures from the source's comments"); a late helper now costs nothing.
+// A helper that finished a job polls for the next one for kTuning.helper_poll_us before it sleeps:
+// waking a sleeping thread costs tens of microseconds on a virtual machine, as much as a short call.
 class ThreadPool {
  public:
   ThreadPool() = default;
@@ -96,6 +100,7 @@ class ThreadPool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
+      posted_.store(~uint64_t{0}, std::memory_order_release);  // ends any helper's polling
     }
     wake_.notify_all();
     for (auto& t : threads_) t.join();
@@ -117,6 +122,7 @@ class ThreadPool {
       running_ = 0;
       open_ = true;
       ++generation_;
+      posted_.store(generation_, std::memory_order_release);
     }
     wake_.notify_all();
     job(0);
@@ -146,6 +152,7 @@ class ThreadPool {
     uint64_t seen = 0;
     for (;;) {
       const std::function<void(int)>* job = nullptr;
+      poll_for_job(seen);
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -162,6 +169,25 @@ class ThreadPool {
     }
   }
 
+  // Returns once a job after `seen` is posted or kTuning.helper_poll_us have passed (the caller then
+  // checks under the lock, and sleeps if there is none). Only after a job: a new helper sleeps at once.
+  void poll_for_job(uint64_t seen) const {
+    if (seen == 0 || kTuning.helper_poll_us <= 0) return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kTuning.helper_poll_us);
+    while (posted_.load(std::memory_order_acquire) == seen) {
+      for (int i = 0; i < 16; ++i) relax();  // the clock is read every microsecond or so
+      if (std::chrono::steady_clock::now() >= until) return;
+    }
+  }
+  // A spin-wait hint: lets the other hardware thread of the core run, and saves power.
+  static void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
@@ -171,6 +197,7 @@ class ThreadPool {
   int running_ = 0;  // helpers inside the current job
   bool open_ = false;
   uint64_t generation_ = 0;
+  std::atomic<uint64_t> posted_{0};  // generation_, read without the lock by polling helpers
   bool stop_ = false;
 };
 

@@ -98,6 +98,17 @@ struct Tuning {
   ByTarget gemm_tile_rows{6, 4};
   ByTarget gemm_tile_vectors{2, 4};
 
+  // ---- kda's own worker threads (cpu/parallel.cpp; a KDA_OPENMP build's calls use OpenMP's) ----
+
+  // Microseconds a helper thread keeps polling for the next call after finishing one, before it
+  // sleeps. Waking a sleeping thread took about 40 us on the 2-core VMs measured (a halted virtual
+  // CPU is woken by an interrupt), as long as half of a one-request decode step (32 heads of
+  // 128 x 128 fp32 on two threads), so a second thread made such steps slower than one: polling
+  // took back-to-back steps from 90 to 40 us (docs/performance.md, 2026-12-06, late night). At most
+  // this much of a core is spent after each call, as OpenMP runtimes spin after a parallel region.
+  // No result changes.
+  int64_t helper_poll_us = 100;
+
   // ---- work items of the forwards (cpu/workspace.hpp's heads_per_item) ----
 
   // Value heads per forward work item, at most this many and about forward_item_bytes of per-thread
@@ -152,7 +163,7 @@ constexpr TuningRow tuning_row(const char* name, ByX86Width v) {
 
 // Every entry of kTuning, in its order, named as in the struct.
 #define KDA_TUNING_ROW(entry) tuning_row(#entry, kTuning.entry)
-inline constexpr std::array<TuningRow, 21> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
+inline constexpr std::array<TuningRow, 22> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
                                                           KDA_TUNING_ROW(decode_tokens),
                                                           KDA_TUNING_ROW(decode_slot_steps),
                                                           KDA_TUNING_ROW(decode_bytes_per_worker),
@@ -166,6 +177,7 @@ inline constexpr std::array<TuningRow, 21> kTuningRows = {KDA_TUNING_ROW(prefill
                                                           KDA_TUNING_ROW(scalar_gate_vectors),
                                                           KDA_TUNING_ROW(gemm_tile_rows),
                                                           KDA_TUNING_ROW(gemm_tile_vectors),
+                                                          KDA_TUNING_ROW(helper_poll_us),
                                                           KDA_TUNING_ROW(forward_heads_per_item),
                                                           KDA_TUNING_ROW(forward_item_bytes),
                                                           KDA_TUNING_ROW(chunk_backward_share_tokens),
