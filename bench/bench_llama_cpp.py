@@ -112,20 +112,39 @@ def paired(model, kind, tokens, threads, pairs):
             args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
     try:
-        for side in sides.values():
+        for label, side in sides.items():
             if side.stdout.readline().strip() != "ready":
-                raise SystemExit(f"kda_llama_paired did not start on {model}")
+                raise SystemExit(f"kda_llama_paired ({label}) did not start on {model}: {stopped(side)}")
         times = {"stock": [], "kda": []}
         for i in range(pairs):
             for label in ("stock", "kda") if i % 2 == 0 else ("kda", "stock"):
-                sides[label].stdin.write("run\n")
-                sides[label].stdin.flush()
-                times[label].append(float(sides[label].stdout.readline()))
+                side = sides[label]
+                try:
+                    side.stdin.write("run\n")
+                    side.stdin.flush()
+                except BrokenPipeError:
+                    pass  # it stopped: the read below says how
+                line = side.stdout.readline()
+                if not line.strip():
+                    raise SystemExit(
+                        f"kda_llama_paired ({label}) stopped on {model} {kind}{tokens} after "
+                        f"{len(times[label])} runs: {stopped(side)}"
+                    )
+                times[label].append(float(line))
         return times
     finally:
         for side in sides.values():
-            side.stdin.close()
+            try:
+                side.stdin.close()
+            except BrokenPipeError:
+                pass
             side.wait()
+
+
+def stopped(process):
+    """How a child that printed nothing more ended (its messages go to /dev/null: llama.cpp's log)."""
+    code = process.wait(timeout=60)
+    return f"exit status {code}" + (" (a signal)" if code < 0 else "")
 
 
 def quartiles(values):

@@ -26,6 +26,7 @@ using Clock = std::chrono::steady_clock;
 // The flags both programs take: MODEL.gguf (--prompt N | --generate N) [--threads T] [--ubatch U], and
 // the program's own integer flags (`extra`, with their defaults, updated in place).
 struct TestOptions {
+  const char* program = "llama benchmark";  // the name errors are reported under
   std::string model;
   int prompt = 0, generate = 0, threads = 2, ubatch = 512;
 };
@@ -34,6 +35,7 @@ inline TestOptions parse_test_options(const char* program, int argc, char** argv
   if (argc < 4 || argc % 2 != 0)
     die(program, "usage: MODEL.gguf (--prompt N | --generate N) [--threads T] [--ubatch U] ...");
   TestOptions o;
+  o.program = program;
   o.model = argv[1];
   extra.insert(extra.end(), {{"--prompt", &o.prompt},
                              {"--generate", &o.generate},
@@ -66,7 +68,11 @@ inline llama_model* load_model(const char* program, const std::string& path) {
 class TestRun {
  public:
   TestRun(llama_model* model, const TestOptions& o)
-      : prompt_(o.prompt), generate_(o.generate), threads_(o.threads), ubatch_(o.ubatch) {
+      : program_(o.program),
+        prompt_(o.prompt),
+        generate_(o.generate),
+        threads_(o.threads),
+        ubatch_(o.ubatch) {
     const int vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     std::mt19937 rng(11);
     std::uniform_int_distribution<int> pick(0, vocab - 1);
@@ -93,7 +99,7 @@ class TestRun {
     cp.cb_eval = cb_eval;
     cp.cb_eval_user_data = user;
     llama_context* ctx = llama_init_from_model(model, cp);
-    if (ctx == nullptr) die("llama benchmark", "cannot create a context");
+    if (ctx == nullptr) die(program_, "cannot create a context");
     return ctx;
   }
 
@@ -112,7 +118,8 @@ class TestRun {
         batch_.seq_id[i][0] = 0;
         batch_.logits[i] = i == n - 1;
       }
-      if (llama_decode(ctx, batch_) != 0) die("llama benchmark", "llama_decode failed");
+      if (llama_decode(ctx, batch_) != 0)
+        die(program_, "llama_decode failed at step " + std::to_string(step));
     }
     llama_synchronize(ctx);
     return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -125,6 +132,7 @@ class TestRun {
   }
 
  private:
+  const char* program_;
   int prompt_, generate_, threads_, ubatch_;
   std::vector<llama_token> ids_;
   llama_batch batch_;
