@@ -364,9 +364,10 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
     const int nv = static_cast<int>(std::min<int64_t>(4, (N - n) / 16));
     const uint16_t* Bn = B + 2 * n;
     int64_t m = 0;
-    // The pairs rows [m, m + rows) need: all, or for a lower triangular A those up to the last row's.
-    const auto depth = [&](int64_t m, int64_t rows) {
-      return combine.a_lower ? std::min(pairs, (m + rows + 1) / 2) : pairs;
+    // The pairs rows [first, first + rows) need: all, or for a lower triangular A those up to the
+    // last row's.
+    const auto depth = [&](int64_t first, int64_t rows) {
+      return combine.a_lower ? std::min(pairs, (first + rows + 1) / 2) : pairs;
     };
     for (; m + kRows <= M; m += kRows)
       avx512_rows<kRows>(nv, depth(m, kRows), A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
