@@ -122,6 +122,34 @@ double sum_bound(const std::vector<uint16_t>& A, const std::vector<uint16_t>& B,
   return 1e-6 * scale + 1e-30;
 }
 
+// The product of packed A (M x K) and B (K x N) on `unit` against reference_gemm, in the three ways a
+// product reaches C (C = A B; C += A B through a stage; C += A B from C's tiles), A lower triangular
+// or not (Combine::a_lower); columns past N and rows past M are canaries that must stay untouched.
+void check_against_reference(ProductUnit unit, int64_t M, int64_t N, int64_t K,
+                             const std::vector<uint16_t>& A, const std::vector<uint16_t>& B, bool a_lower) {
+  for (const int mode : {0, 1, 2}) {
+    const int64_t ldc = N + 16;
+    std::vector<float> C = random_floats((M + 3) * ldc, 3, false), want = C;
+    cpu::Combine combine;
+    combine.accumulate = mode != 0;
+    combine.load_c = mode == 2;
+    combine.a_lower = a_lower;
+    cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, combine);
+    cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, combine);
+    for (int64_t m = 0; m < M + 3; ++m)
+      for (int64_t n = 0; n < ldc; ++n) {
+        const float got = C[m * ldc + n], ref = want[m * ldc + n];
+        if (m >= M || n >= N) {
+          ASSERT_EQ(std::memcmp(&got, &ref, sizeof got), 0) << "wrote outside C at " << m << "," << n;
+          continue;
+        }
+        ASSERT_LE(std::fabs(got - ref), sum_bound(A, B, N, K, m, n, mode == 0 ? 0.0 : ref))
+            << cpu::product_unit_name(unit) << " M=" << M << " N=" << N << " K=" << K << " at " << m << ","
+            << n << " mode=" << mode << " a_lower=" << a_lower;
+      }
+  }
+}
+
 TEST_P(NativeUnit, ProductsMatchTheReferenceAndLeaveOtherRowsAlone) {
   const ProductUnit unit = GetParam();
   for (const int64_t M : {1, 5, 16, 17, 33, 64, 70, 128})
@@ -133,26 +161,7 @@ TEST_P(NativeUnit, ProductsMatchTheReferenceAndLeaveOtherRowsAlone) {
         std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
         cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
         cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
-        for (const int mode : {0, 1, 2}) {  // C = A B; C += A B through a stage; C += A B from C's tiles
-          const int64_t ldc = N + 16;       // columns past N and rows past M are canaries
-          std::vector<float> C = random_floats((M + 3) * ldc, 3, false), want = C;
-          cpu::Combine combine;
-          combine.accumulate = mode != 0;
-          combine.load_c = mode == 2;
-          cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, combine);
-          cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, combine);
-          for (int64_t m = 0; m < M + 3; ++m)
-            for (int64_t n = 0; n < ldc; ++n) {
-              const float got = C[m * ldc + n], ref = want[m * ldc + n];
-              if (m >= M || n >= N) {
-                ASSERT_EQ(std::memcmp(&got, &ref, sizeof got), 0) << "wrote outside C at " << m << "," << n;
-                continue;
-              }
-              ASSERT_LE(std::fabs(got - ref), sum_bound(A, B, N, K, m, n, mode == 0 ? 0.0 : ref))
-                  << cpu::product_unit_name(unit) << " M=" << M << " N=" << N << " K=" << K << " at " << m
-                  << "," << n << " mode=" << mode;
-            }
-        }
+        ASSERT_NO_FATAL_FAILURE(check_against_reference(unit, M, N, K, A, B, false));
       }
 }
 
@@ -196,47 +205,29 @@ TEST_P(NativeUnit, LowerTriangularProductsSkipOnlyZeros) {
   // A(m, p) = 0 for p > m (Combine::a_lower): the sums are those of the whole depth.
   const ProductUnit unit = GetParam();
   for (const int64_t M : {1, 5, 16, 17, 33, 64, 70}) {
-    const int64_t K = M, N = 48, ldc = N + 16;
+    const int64_t K = M, N = 48;
     std::vector<float> a = random_floats(M * K, 11 + M, false), b = random_floats(K * N, 12 + M, false);
     for (int64_t m = 0; m < M; ++m) std::fill(a.begin() + m * K + m + 1, a.begin() + (m + 1) * K, 0.0f);
     std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K));
     std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
     cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
     cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
-    for (const int mode : {0, 1, 2}) {
-      std::vector<float> C = random_floats((M + 3) * ldc, 13, false), want = C;
-      cpu::Combine combine;
-      combine.accumulate = mode != 0;
-      combine.load_c = mode == 2;
-      combine.a_lower = true;
-      cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, combine);
-      cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, combine);
-      for (int64_t m = 0; m < M + 3; ++m)
-        for (int64_t n = 0; n < ldc; ++n) {
-          const float got = C[m * ldc + n], ref = want[m * ldc + n];
-          if (m >= M || n >= N) {
-            ASSERT_EQ(std::memcmp(&got, &ref, sizeof got), 0) << "wrote outside C at " << m << "," << n;
-            continue;
-          }
-          ASSERT_LE(std::fabs(got - ref), sum_bound(A, B, N, K, m, n, mode == 0 ? 0.0 : ref))
-              << cpu::product_unit_name(unit) << " M=" << M << " at " << m << "," << n << " mode=" << mode;
-        }
-    }
+    ASSERT_NO_FATAL_FAILURE(check_against_reference(unit, M, N, K, A, B, true));
     // The skip is real: with B's last row NaN, C's last row is NaN and the first 16 rows, whose blocks
     // stop at depth 32 on every unit, are not (a NaN times a zero of A would be).
     if (M <= 32) continue;
     const int64_t last = M - 1;
     for (int64_t n = 0; n < N; ++n) b[last * N + n] = std::numeric_limits<float>::quiet_NaN();
     cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
-    std::vector<float> C((M + 3) * ldc, 0.0f);
+    std::vector<float> C(M * N, 0.0f);
     cpu::Combine combine;
     combine.a_lower = true;
-    cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, combine);
+    cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), N, combine);
     for (int64_t n = 0; n < N; ++n) {
-      EXPECT_TRUE(std::isnan(C[last * ldc + n]))
+      EXPECT_TRUE(std::isnan(C[last * N + n]))
           << cpu::product_unit_name(unit) << " M=" << M << " column " << n;
       for (int64_t m = 0; m < 16; ++m)
-        ASSERT_FALSE(std::isnan(C[m * ldc + n]))
+        ASSERT_FALSE(std::isnan(C[m * N + n]))
             << cpu::product_unit_name(unit) << " M=" << M << " at " << m << "," << n;
     }
   }
