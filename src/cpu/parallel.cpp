@@ -127,7 +127,12 @@ class ThreadPool {
     wake_.notify_all();
     job(0);
     std::unique_lock<std::mutex> lock(mutex_);
-    open_ = false;  // helpers not yet awake skip this job
+    open_ = false;       // helpers not yet awake skip this job
+    if (running_ > 0) {  // a helper still at work: poll for its end before sleeping, as helpers do for jobs
+      lock.unlock();
+      poll([&] { return running_.load(std::memory_order_acquire) == 0; });
+      lock.lock();
+    }
     done_.wait(lock, [&] { return running_ == 0; });
     job_ = nullptr;
     return joined_ + 1;
@@ -152,7 +157,7 @@ class ThreadPool {
     uint64_t seen = 0;
     for (;;) {
       const std::function<void(int)>* job = nullptr;
-      poll_for_job(seen);
+      if (seen != 0) poll([&] { return posted_.load(std::memory_order_acquire) != seen; });  // after a job
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -169,12 +174,13 @@ class ThreadPool {
     }
   }
 
-  // Returns once a job after `seen` is posted or kTuning.helper_poll_us have passed (the caller then
-  // checks under the lock, and sleeps if there is none). Only after a job: a new helper sleeps at once.
-  void poll_for_job(uint64_t seen) const {
-    if (seen == 0 || kTuning.helper_poll_us <= 0) return;
+  // Returns once `done()` holds or kTuning.helper_poll_us have passed; the caller then checks under
+  // the lock, and sleeps if it must still wait.
+  template <typename Done>
+  static void poll(const Done& done) {
+    if (kTuning.helper_poll_us <= 0) return;
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kTuning.helper_poll_us);
-    while (posted_.load(std::memory_order_acquire) == seen) {
+    while (!done()) {
       for (int i = 0; i < 16; ++i) relax();  // the clock is read every microsecond or so
       if (std::chrono::steady_clock::now() >= until) return;
     }
@@ -193,8 +199,8 @@ class ThreadPool {
   std::vector<std::thread> threads_;
   const std::function<void(int)>* job_ = nullptr;
   int job_helpers_ = 0;
-  int joined_ = 0;   // helpers that joined the current job
-  int running_ = 0;  // helpers inside the current job
+  int joined_ = 0;               // helpers that joined the current job
+  std::atomic<int> running_{0};  // helpers inside the current job (changed under the lock)
   bool open_ = false;
   uint64_t generation_ = 0;
   std::atomic<uint64_t> posted_{0};  // generation_, read without the lock by polling helpers

@@ -100,13 +100,13 @@ struct Tuning {
 
   // ---- kda's own worker threads (cpu/parallel.cpp; a KDA_OPENMP build's calls use OpenMP's) ----
 
-  // Microseconds a helper thread keeps polling for the next call after finishing one, before it
-  // sleeps. Waking a sleeping thread took about 40 us on the 2-core VMs measured (a halted virtual
-  // CPU is woken by an interrupt), as long as half of a one-request decode step (32 heads of
-  // 128 x 128 fp32 on two threads), so a second thread made such steps slower than one: polling
-  // took back-to-back steps from 90 to 40 us (docs/performance.md, 2026-12-06, late night). At most
-  // this much of a core is spent after each call, as OpenMP runtimes spin after a parallel region.
-  // No result changes.
+  // Microseconds a helper thread keeps polling for the next call after finishing one, and a caller
+  // for its helpers to finish, before sleeping. Waking a sleeping thread took about 40 us on the
+  // 2-core VMs measured (a halted virtual CPU is woken by an interrupt), as long as half of a
+  // one-request decode step (32 heads of 128 x 128 fp32 on two threads), so a second thread made
+  // such steps slower than one: polling took back-to-back steps from 90 to 35 us (docs/performance.md,
+  // 2026-12-06, late night). At most this much of a core is spent after each call, as OpenMP
+  // runtimes spin after a parallel region. No result changes.
   int64_t helper_poll_us = 100;
 
   // ---- work items of the forwards (cpu/workspace.hpp's heads_per_item) ----
