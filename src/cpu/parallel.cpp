@@ -88,7 +88,8 @@ thread_local BlockCache* t_block_cache = nullptr;
 // while after each torch operation, so a helper woken for a short call may not run for a scheduler
 // tick: a caller that waited for such a helper made a short decode step slower on two threads than
 // on one (docs/performance.md, "Figures from the source's comments"); a late helper now costs nothing.
-// A helper that finished a job polls for the next one for kTuning.helper_poll_us before it sleeps:
+// A helper that finished a job polls for the next one for kTuning.helper_poll_us before it sleeps,
+// and a caller whose part ended first polls as long for its running helpers before it sleeps:
 // waking a sleeping thread costs tens of microseconds on a virtual machine, as much as a short call.
 class ThreadPool {
  public:
