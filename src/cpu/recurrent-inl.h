@@ -94,10 +94,14 @@ void load_blocked(const core::Plan& plan, const core::StateRef& states, int64_t 
     return;
   }
   const core::StateRef src = head_state(plan, states, hv);
-  const bool plain = !plan.v_first() && src.dtype == DType::f32;
+  const bool f32 = src.dtype == DType::f32, plain = !plan.v_first() && f32;
   for (int64_t c0 = S.begin; c0 < std::min(V, S.end); c0 += S.W) {
     const int64_t wb = S.width(c0), cols = std::min(wb, V - c0);
     float* blk = S.block(c0);
+    if (plan.v_first() && f32) {  // [V][K] rows c0.. into the block's [K][wb]
+      transpose(static_cast<const float*>(src.data) + c0 * K, K, cols, K, blk, wb);
+      continue;
+    }
     for (int64_t kk = 0; kk < K; ++kk) {
       float* row = blk + kk * wb;
       if (plain) {
@@ -122,10 +126,8 @@ void store_blocked(const core::Plan& plan, const BlockedState& S, const core::St
       for (int64_t kk = 0; kk < K; ++kk)
         std::memcpy(static_cast<float*>(dst.data) + kk * V + c0, blk + kk * wb,
                     sizeof(float) * static_cast<size_t>(cols));
-    } else if (plan.v_first() && dst.dtype == DType::f32) {
-      float* f = static_cast<float*>(dst.data);
-      for (int64_t j = 0; j < cols; ++j)
-        for (int64_t kk = 0; kk < K; ++kk) f[(c0 + j) * K + kk] = blk[kk * wb + j];
+    } else if (plan.v_first() && dst.dtype == DType::f32) {  // the block's [K][wb] into rows c0.. of [V][K]
+      transpose(blk, wb, K, cols, static_cast<float*>(dst.data) + c0 * K, K);
     } else {
       for (int64_t kk = 0; kk < K; ++kk)
         for (int64_t j = 0; j < cols; ++j)
