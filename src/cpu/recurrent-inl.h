@@ -369,6 +369,15 @@ constexpr int kGroup = on_target(kTuning.scalar_gate_group);
 constexpr int kScalarGateVectors = kTuning.scalar_gate_vectors;
 static_assert(kScalarGateVectors >= 1 && kScalarGateVectors <= 2, "sweeps of 1 or 2 vectors");
 static_assert(kGroup >= 1 && kChunkSize % kGroup == 0, "a block of rows is a whole number of groups");
+// Copies of each state row's coefficients in a group's rearranged q and k (group_columns): one per
+// vector of a sweep where a broadcast folds into its multiply-add as a memory operand (AVX-512);
+// elsewhere a broadcast is an instruction of its own, and one copy, shared by the vectors, loads less.
+constexpr int kCoefficientCopies = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 ? kScalarGateVectors : 1;
+// Whether the sweep issues the next row's update chain ahead of this row's sums
+// (forward_columns_scalar_gate): the chain (a multiply and c dependent multiply-adds, ~20 cycles) then
+// runs behind the sums instead of before them. With the broadcasts folded, AVX-512's 32 registers hold
+// both rows' vectors; AVX2's 16 do not, and there it ran slower (docs/performance.md, 2026-12-07).
+constexpr bool kUpdateAhead = kCoefficientCopies > 1;
 
 // The per-group scalars of the formulas above, shared by every column of a head's state.
 struct GateGroup {
@@ -402,18 +411,57 @@ void gate_groups(int64_t n, int64_t Kp, const float* q, const float* k, const fl
   }
 }
 
+// Rows [0, groups * kGroup) of a block's q or k ([.][Kp]) rearranged by group into xT
+// ([groups][Kp][kCoefficientCopies][kGroup]): key channel r of the group's tokens side by side, in as
+// many copies as the sweep reads. The sweep then reads one state row's coefficients from one line
+// through one pointer (from the token rows it took 12 pointers to rows a page apart at c = 4, more
+// than the general registers, which were reloaded from the stack every row). On AVX-512 each
+// vector of a sweep reads its own copy, so every broadcast has one use, which the compiler folds
+// into its multiply-add as a memory operand: the broadcasts then take no vector registers, which
+// leaves room for the next row's update ahead of this row's sums (kUpdateAhead).
+void group_columns(const float* HWY_RESTRICT x, int64_t groups, int64_t Kp, float* HWY_RESTRICT xT) {
+  constexpr int C = kGroup, NV = kCoefficientCopies;
+  const DF d;
+  const int64_t L = lanes();
+  HWY_ALIGN float copy[C * hn::MaxLanes(DF())];
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const float* r0 = x + gi * C * Kp;
+    float* out = xT + gi * Kp * NV * C;
+    for (int64_t c0 = 0; c0 < Kp; c0 += L) {
+      // L key channels of the group's C tokens side by side: in place with one copy, else once, copied.
+      float* side = NV == 1 ? out + c0 * C : copy;
+      if constexpr (C == 4) {
+        hn::StoreInterleaved4(hn::LoadU(d, r0 + c0), hn::LoadU(d, r0 + Kp + c0),
+                              hn::LoadU(d, r0 + 2 * Kp + c0), hn::LoadU(d, r0 + 3 * Kp + c0), d, side);
+      } else if constexpr (C == 2) {
+        hn::StoreInterleaved2(hn::LoadU(d, r0 + c0), hn::LoadU(d, r0 + Kp + c0), d, side);
+      } else {
+        for (int64_t r = 0; r < L; ++r)
+          for (int i = 0; i < C; ++i) side[r * C + i] = r0[i * Kp + c0 + r];
+      }
+      if constexpr (NV > 1)
+        for (int64_t r = 0; r < L; ++r)
+          for (int c = 0; c < NV; ++c)
+            std::memcpy(out + ((c0 + r) * NV + c) * C, side + r * C, sizeof(float) * C);
+    }
+  }
+}
+
 // Runs the `groups` groups of one block of rows through NV vectors of columns of the state, whose rows
-// are ld floats apart. q, k: [groups * kGroup][Kp]; v, o: [.][Vp], offset to the first column.
+// are ld floats apart. qT, kT: the block's q and k by group (group_columns); v, o: [.][Vp], offset to
+// the first column.
 template <int NV, bool kOutput>
 HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t Kp, int64_t Vp,
-                                              const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
+                                              const float* HWY_RESTRICT qT, const float* HWY_RESTRICT kT,
                                               const GateGroup* HWY_RESTRICT coefs,
                                               const float* HWY_RESTRICT beta, const float* HWY_RESTRICT v,
                                               float* HWY_RESTRICT o, float* HWY_RESTRICT Sb, int64_t ld,
                                               float scale, const PrefetchShare& pf) {
   const DF d;
   const int64_t L = lanes();
-  constexpr int C = kGroup;
+  constexpr int C = kGroup, NC = kCoefficientCopies;
+  // Where state row r's coefficient i for vector c lies in a group's rearranged rows.
+  const auto at = [](int64_t r, int c, int i) { return (r * NC + (NC > 1 ? c : 0)) * C + i; };
   VectorArray<NV * C> X, Y;  // P^T k_j and P^T q_j of the group, at j * NV + c
   for (int i = 0; i < NV * C; ++i) X.set(i, hn::Zero(d)), Y.set(i, hn::Zero(d));
   for (int64_t r = 0; r < K; ++r) {
@@ -421,8 +469,9 @@ HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t
     for (int c = 0; c < NV; ++c) {
       const VF s = hn::LoadU(d, row + c * L);
       for (int j = 0; j < C; ++j) {
-        X.set(j * NV + c, hn::MulAdd(hn::Set(d, k[j * Kp + r]), s, X.get(j * NV + c)));
-        if constexpr (kOutput) Y.set(j * NV + c, hn::MulAdd(hn::Set(d, q[j * Kp + r]), s, Y.get(j * NV + c)));
+        X.set(j * NV + c, hn::MulAdd(hn::Set(d, kT[at(r, c, j)]), s, X.get(j * NV + c)));
+        if constexpr (kOutput)
+          Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qT[at(r, c, j)]), s, Y.get(j * NV + c)));
       }
     }
   }
@@ -450,33 +499,46 @@ HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t
       for (int c = 0; c < NV; ++c) R.set(i * NV + c, hn::Mul(hn::Set(d, G.carry[i]), R.get(i * NV + c)));
     // P' = A_{c-1} P + sum_i k_i R_i^T, row by row, with the next group's P'^T k and P'^T q.
     const VF vA = hn::Set(d, G.A[C - 1]);
-    const float* kg = k + t0 * Kp;
+    const float* kg = kT + gi * Kp * NC * C;
+    // Row r's new vector c: a multiply and C dependent multiply-adds, stored.
+    const auto update = [&](int64_t r, int c) HWY_ATTR {
+      float* row = Sb + r * ld;
+      VF s = hn::Mul(hn::LoadU(d, row + c * L), vA);
+      for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[at(r, c, i)]), R.get(i * NV + c), s);
+      hn::StoreU(s, d, row + c * L);
+      return s;
+    };
     if (gi + 1 < groups) {
-      const float* kn = kg + C * Kp;
-      const float* qn = q + (t0 + C) * Kp;
+      const float* kn = kg + Kp * NC * C;
+      const float* qn = qT + (gi + 1) * Kp * NC * C;
       for (int i = 0; i < NV * C; ++i) X.set(i, hn::Zero(d)), Y.set(i, hn::Zero(d));
-      for (int64_t r = 0; r < K; ++r) {
-        float* row = Sb + r * ld;
-        for (int c = 0; c < NV; ++c) {
-          VF s = hn::Mul(hn::LoadU(d, row + c * L), vA);
-          for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[i * Kp + r]), R.get(i * NV + c), s);
-          hn::StoreU(s, d, row + c * L);
-          for (int j = 0; j < C; ++j) {
-            X.set(j * NV + c, hn::MulAdd(hn::Set(d, kn[j * Kp + r]), s, X.get(j * NV + c)));
-            if constexpr (kOutput)
-              Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qn[j * Kp + r]), s, Y.get(j * NV + c)));
-          }
+      // Adds row r's new vector c times the next group's coefficients into X and Y.
+      const auto accumulate = [&](int64_t r, int c, VF s) HWY_ATTR {
+        for (int j = 0; j < C; ++j) {
+          X.set(j * NV + c, hn::MulAdd(hn::Set(d, kn[at(r, c, j)]), s, X.get(j * NV + c)));
+          if constexpr (kOutput)
+            Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qn[at(r, c, j)]), s, Y.get(j * NV + c)));
         }
+      };
+      if constexpr (kUpdateAhead) {
+        // Row r + 1's update chains are issued ahead of row r's 2 C NV independent multiply-adds into
+        // X and Y, so that the chains' latency hides behind them (kUpdateAhead).
+        VectorArray<NV> cur;
+        for (int c = 0; c < NV; ++c) cur.set(c, update(0, c));
+        for (int64_t r = 0; r < K; ++r) {
+          VectorArray<NV> next;
+          if (r + 1 < K)
+            for (int c = 0; c < NV; ++c) next.set(c, update(r + 1, c));
+          for (int c = 0; c < NV; ++c) accumulate(r, c, cur.get(c));
+          if (r + 1 < K) cur = next;
+        }
+      } else {
+        for (int64_t r = 0; r < K; ++r)
+          for (int c = 0; c < NV; ++c) accumulate(r, c, update(r, c));
       }
     } else {
-      for (int64_t r = 0; r < K; ++r) {
-        float* row = Sb + r * ld;
-        for (int c = 0; c < NV; ++c) {
-          VF s = hn::Mul(hn::LoadU(d, row + c * L), vA);
-          for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[i * Kp + r]), R.get(i * NV + c), s);
-          hn::StoreU(s, d, row + c * L);
-        }
-      }
+      for (int64_t r = 0; r < K; ++r)
+        for (int c = 0; c < NV; ++c) update(r, c);
     }
   }
 }
@@ -518,6 +580,7 @@ struct ForwardWork {
   BlockRows rows[2];                   // the block being swept and the next one, gathered during the sweep
   Buffer<float> o;                     // output rows of one block, kC * Vp per head
   Buffer<float> decay;                 // per-head gate: each token's decay a_t, kC per head
+  Buffer<float> qT, kT;                // per-head gate: the swept head's q and k by group (group_columns)
   std::vector<GateGroup> gate_groups;  // per-head gate: the block's groups, kC / kGroup per head
   ForwardWork(int64_t K_, int64_t V_, int64_t heads_)
       : K(K_),
@@ -530,6 +593,7 @@ struct ForwardWork {
     S.reset(heads * K * Vp);
     o.reset(heads * kC * Vp);
     decay.reset(heads * kC);
+    qT.reset(kC * Kp * kCoefficientCopies), kT.reset(kC * Kp * kCoefficientCopies);
     gate_groups.resize(static_cast<size_t>(heads * (kC / kGroup)));
   }
   int64_t col_begin = 0, col_end = 0;  // the column blocks of the current item (see BlockedState)
@@ -596,6 +660,8 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
     const BlockedState S = w.state(j);
     const ChunkRows rows = cur.from(j, 0);
     const GateGroup* coefs = w.gate_groups.data() + j * (kC / kGroup);
+    group_columns(rows.q, groups, Kp, w.qT.data());
+    group_columns(rows.k, groups, Kp, w.kT.data());
     for (int64_t c0 = w.col_begin, cb = 0; c0 < w.col_end; c0 += W, ++cb) {
       const int64_t wb = S.width(c0);
       const PrefetchShare share(next_in, this_out, j * blocks + cb, heads * blocks);
@@ -608,11 +674,11 @@ void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const B
         float* o = w.output(j) + c0 + sc;
         if (nv == 2) {
           if constexpr (kScalarGateVectors >= 2)
-            forward_columns_scalar_gate<2, kOutput>(K, groups, Kp, Vp, rows.q, rows.k, coefs, rows.beta, v, o,
-                                                    Sb, wb, plan.scale, pf);
+            forward_columns_scalar_gate<2, kOutput>(K, groups, Kp, Vp, w.qT.data(), w.kT.data(), coefs,
+                                                    rows.beta, v, o, Sb, wb, plan.scale, pf);
         } else {
-          forward_columns_scalar_gate<1, kOutput>(K, groups, Kp, Vp, rows.q, rows.k, coefs, rows.beta, v, o,
-                                                  Sb, wb, plan.scale, pf);
+          forward_columns_scalar_gate<1, kOutput>(K, groups, Kp, Vp, w.qT.data(), w.kT.data(), coefs,
+                                                  rows.beta, v, o, Sb, wb, plan.scale, pf);
         }
       }
       clock.lap(Phase::recurrent_sweep);
