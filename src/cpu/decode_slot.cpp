@@ -43,10 +43,14 @@ HWY_INLINE int64_t line_elements() {
 
 // A state vector used by two products, held in a register: GCC otherwise folds the load into both
 // products, and the second load costs a load-port slot, which these kernels run short of (x86).
-// Clang refuses a register constraint on Highway's vector struct, so it goes without.
+// The constraint binds the raw vector, not Highway's struct: bound to the struct, GCC kept the
+// V-first step's sums in memory and stored all eight of them on every vector of the first pass
+// (docs/performance.md, 2026-12-07). Clang goes without (untested there).
 HWY_INLINE VF held(VF x) {
 #if HWY_ARCH_X86 && defined(__GNUC__) && !defined(__clang__)
-  asm("" : "+v"(x));
+  auto raw = x.raw;
+  asm("" : "+v"(raw));
+  x.raw = raw;
 #endif
   return x;
 }
