@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/backend.hpp"
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -506,6 +507,24 @@ TEST(DecodeThreads, LargeStepsSplitAmongWorkersBitwiseIdentical) {
     };
     const auto ref = run_once(1);
     for (int threads : {2, 3, 8}) EXPECT_EQ(run_once(threads), ref) << threads << " threads";
+  }
+}
+
+// The slot steps fetch the next state either as requests toward L2 or as a stream toward L1, by CPU
+// (tuning.hpp: decode_next_state_to_l2); each CPU runs one of them, so both are run here, on both
+// layouts and on two workers (each fetching its next items' states), and must agree bit for bit.
+TEST(DecodeThreads, NextStateFetchChangesNoResult) {
+  for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
+    auto run_once = [&](int to_l2) {
+      cpu::set_next_state_to_l2_for_testing(to_l2);
+      Small s(layout, 1, "B=16 H=4 HV=8 K=128 V=128 regime=strong h0");
+      RunOptions opt;
+      opt.num_threads = 2;
+      for (int step = 0; step < 3; ++step) s.run(s.inputs(), opt);
+      cpu::set_next_state_to_l2_for_testing(-1);
+      return std::make_pair(s.pool.bytes(), s.o.raw());
+    };
+    EXPECT_EQ(run_once(1), run_once(0)) << (layout == StateLayout::k_first ? "K-first" : "V-first");
   }
 }
 

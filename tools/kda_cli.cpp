@@ -23,6 +23,7 @@
 
 #include "cli_args.hpp"
 #include "cpu/tuning.hpp"
+#include "cpu/vendor.hpp"
 #include "harness.hpp"
 #include "kda/kda.hpp"
 #include "kda/reference.hpp"
@@ -770,12 +771,12 @@ std::string join(const std::vector<std::string>& names) {
 
 // Prints the CPU kernels' tuning table (src/cpu/tuning.hpp says what each entry decides).
 void print_tuning() {
-  std::printf("CPU tuning (src/cpu/tuning.hpp; this CPU's target: %s)\n", kda::simd_target());
+  std::printf("CPU tuning (src/cpu/tuning.hpp; this CPU's target: %s%s)\n", kda::simd_target(),
+              kda::cpu::amd_cpu() ? ", an AMD CPU" : "");
   for (const kda::cpu::TuningRow& row : kda::cpu::kTuningRows) {
     std::string value = row.boolean ? (row.value != 0 ? "true" : "false") : std::to_string(row.value);
     if (row.value_on != nullptr)
-      value +=
-          " on " + std::string(row.value_on) + ", " + std::to_string(row.other) + " on the other targets";
+      value += " on " + std::string(row.value_on) + ", " + std::to_string(row.other) + " on " + row.others;
     std::printf("  %-34s %s\n", row.name, value.c_str());
   }
 }

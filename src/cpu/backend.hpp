@@ -28,6 +28,11 @@ void convert_row_for_testing(const float* x, int64_t n, uint16_t* bf16, float* w
 void convert_row_in_pairs_for_testing(const float* x, int64_t n, uint16_t* bf16, float* widened);
 // Bits of the vectors the kernels use (hardware = false) or of the CPU's vectors, on that target.
 int simd_vector_bits(bool hardware);
+// Whether the decode slot steps request their worker's next state toward L2 (true) or stream it
+// toward L1 (false): tuning.hpp's decode_next_state_to_l2 on this CPU, unless a test set it with
+// set_next_state_to_l2_for_testing (0 or 1; -1 returns to this CPU's). No result depends on it.
+bool next_state_to_l2();
+void set_next_state_to_l2_for_testing(int to_l2);
 
 // The call's runner (threads and workspaces of its execution context), on the selected SIMD target.
 inline Runner runner_for(const RunOptions& opt) {

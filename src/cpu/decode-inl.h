@@ -69,9 +69,11 @@ HWY_INLINE void prefetch_to_l2(const void* p) {
 }
 
 // The state the worker's next item reads first. The slot kernels request all of it toward L2 over
-// the current step (NextStateToL2), except the bf16 V-first one, which runs its L1 prefetches on
-// into its first rows (stream). The K-first token kernel, whose second sweep runs from L2 and leaves
-// the memory idle, requests all of it toward L2 over its second sweep, a share per row group.
+// the current step (NextStateToL2), or run their L1 prefetches on into its first rows (stream): bf16
+// V-first steps always stream, bf16 K-first ones always request, and fp32 steps do what this CPU's
+// entry of tuning.hpp's decode_next_state_to_l2 says (next_state_to_l2). The K-first token kernel,
+// whose second sweep runs from L2 and leaves the memory idle, requests all of it toward L2 over its
+// second sweep, a share per row group.
 struct NextState {
   const char* data = nullptr;
   size_t bytes = 0;

@@ -4,14 +4,17 @@
 // state are fetched during the current one), and each request run by one of two variants: the usual
 // step, one token from a slot to a slot (the same one for an fp32 state updated in place), by the
 // slot kernels (decode_slot.cpp: no working copy, the decay folded into the token's rows, the next
-// item's state requested toward L2 during the step); longer steps (speculative tokens, several tokens
+// item's state fetched during the step, next_state_to_l2); longer steps (speculative tokens, several tokens
 // per request) and the rest by the token kernels on an fp32 working state (decode_token.cpp).
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
 #include "cpu/backend.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/tuning.hpp"
+#include "cpu/vendor.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -106,6 +109,19 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace kda::cpu {
 HWY_EXPORT(Decode);
+
+namespace {
+std::atomic<int> next_state_to_l2_for_testing{-1};
+}  // namespace
+
+bool next_state_to_l2() {
+  const int set = next_state_to_l2_for_testing.load(std::memory_order_relaxed);
+  return set >= 0 ? set != 0 : on_this_cpu(kTuning.decode_next_state_to_l2) != 0;
+}
+
+void set_next_state_to_l2_for_testing(int to_l2) {
+  next_state_to_l2_for_testing.store(to_l2 < 0 ? -1 : to_l2 != 0, std::memory_order_relaxed);
+}
 
 void decode(const core::Plan& plan, const DecodeInputs& in, const DecodeOutputs& out, const RunOptions& opt) {
   Runner run = runner_for(opt);

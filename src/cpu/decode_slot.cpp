@@ -1,7 +1,8 @@
 // Decode's slot kernels (cpu/decode-inl.h has the whole of decode). The usual decode step: one
 // token, its state read from its slot and the new one written to its destination (the same slot when
 // the step is in place, an fp32 state returning to where it came from), converting in registers, no
-// working copy, the next item's state requested toward L2 during the step. The decay is folded into
+// working copy, the next item's state fetched during the step (toward L2 or L1 by CPU: slot_v_first,
+// slot_k_first). The decay is folded into
 // the token's rows first: with ke = k * e and qe = q * e (per key channel),
 //   k^T S1 = ke^T S0,   o = scale q^T S2 = scale (qe^T S0 + (q . k) r),   S2 = diag(e) S0 + k r^T,
 // so the first pass only reads S0, for two dot products, and the second writes S2: four vector
@@ -200,31 +201,35 @@ HWY_INLINE void v_first_rows(const Src* src, Dst* dst, int64_t r0, int64_t K, Sl
   }
 }
 
-// The whole step on a V-first [V][K] state: rows kRows at a time, each row self-contained. An fp32
-// state's step requests each group's successor toward L1 a line at a time while the group is
-// summed (one burst of 32 requests held up the core), and the next state toward L2
-// (NextStateToL2). A bf16 one prefetches kPrefetchBytes ahead toward L1, on into the next state's
-// first rows: its rows are bound by instructions, and the L2 requests slowed it down while they
-// sped the fp32 step up (docs/performance.md, 2026-12-04 evening).
-template <typename Src, typename Dst>
+// The whole step on a V-first [V][K] state: rows kRows at a time, each row self-contained. The next
+// state is fetched in one of two ways (tuning.hpp's decode_next_state_to_l2, per CPU):
+//  - requests toward L2 spread over the step (NextStateToL2), with each group's successor requested
+//    toward L1 a line at a time while the group is summed (one burst of 32 requests held up the
+//    core): an fp32 state where this CPU requests (kRequests);
+//  - a stream toward L1 a fixed distance ahead of the rows, on into the next state's first rows
+//    (NextState::stream): every bf16 state (its rows are bound by instructions, and the L2 requests
+//    slowed it down: docs/performance.md, 2026-12-04 evening), and fp32 states elsewhere.
+// The choice is a template argument (kRequests, fp32 only): made at run time inside the step, the
+// requests' object and pointers left the kernel's loops slower even when it streamed (2026-12-07).
+template <bool kRequests, typename Src, typename Dst>
 void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, float scale, float* kept,
                   const NextState& next) {
+  static_assert(!kRequests || std::is_same_v<Src, float>, "bf16 steps stream");
   constexpr int R = kRows;
-  constexpr bool kToL2 = std::is_same_v<Src, float>;
+  const size_t stream_bytes = std::is_same_v<Src, float> ? kTuning.decode_stream_bytes : kPrefetchBytes;
   // A share per line of each pass (and per vector past a row's last whole line).
   const int64_t line = line_elements<Src>();
-  NextStateToL2 to_l2(next, 2 * (K / line + K % line / lanes()) * (V / R + V % R));
-  NextStateToL2* ahead = kToL2 ? &to_l2 : nullptr;
+  NextStateToL2 to_l2(kRequests ? next : NextState{}, 2 * (K / line + K % line / lanes()) * (V / R + V % R));
+  NextStateToL2* ahead = kRequests ? &to_l2 : nullptr;
+  const size_t row_bytes = sizeof(Src) * static_cast<size_t>(K);
   int64_t r0 = 0;
   for (; r0 + R <= V; r0 += R) {
     const Src* next_rows = nullptr;
-    if constexpr (kToL2) {
+    if constexpr (kRequests)
       next_rows = r0 + 2 * R <= V ? src + (r0 + R) * K : nullptr;
-    } else {
-      const size_t row_bytes = sizeof(Src) * static_cast<size_t>(K);
-      next.stream(src, row_bytes * static_cast<size_t>(V),
-                  row_bytes * static_cast<size_t>(r0) + kPrefetchBytes, R * row_bytes);
-    }
+    else
+      next.stream(src, row_bytes * static_cast<size_t>(V), row_bytes * static_cast<size_t>(r0) + stream_bytes,
+                  R * row_bytes);
     v_first_rows<R>(src, dst, r0, K, t, scale, kept, ahead, next_rows);
   }
   for (; r0 < V; ++r0)
@@ -240,10 +245,10 @@ void slot_v_first(const Src* src, Dst* dst, int64_t V, int64_t K, SlotToken& t, 
 // 48 KiB L1 even as whole-row blocks, and a narrower block fares no better: the rows of a 128-byte
 // block, 512 B apart, fall on 16 of L1's 64 sets, 16 lines to each 12-way set (bottom first is the
 // faster order: docs/performance.md, "Figures from the source's comments"). `ahead`: two shares of
-// the next state per row.
+// the next state per row; `stream` (or null): the next state streamed ahead of the first sweep.
 template <int W, typename Src, typename Dst>
 HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, int64_t j0, SlotToken& t,
-                                float scale, NextStateToL2& ahead) {
+                                float scale, NextStateToL2& ahead, const NextState* stream) {
   const DF d;
   const int64_t L = lanes();
   constexpr bool kSplit = W < 4;
@@ -274,8 +279,14 @@ HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, 
   };
   const float* HWY_RESTRICT ke = t.ke.data();
   const float* HWY_RESTRICT qe = t.qe.data();
+  // The stream's position runs stream_bytes ahead of the rows the first sweep reads (whole rows).
+  const size_t row_bytes = sizeof(Src) * static_cast<size_t>(V),
+               state_bytes = row_bytes * static_cast<size_t>(K);
+  const size_t stream_bytes = kTuning.decode_stream_bytes;  // fp32 states only stream
   int64_t i = 0;
   for (; i + 2 <= K; i += 2) {
+    if (stream != nullptr)
+      stream->stream(src, state_bytes, row_bytes * static_cast<size_t>(i) + stream_bytes, 2 * row_bytes);
     ahead.step();
     ahead.step();
     const VF ke0 = hn::Set(d, ke[i]), qe0 = hn::Set(d, qe[i]);
@@ -292,6 +303,8 @@ HWY_INLINE void k_first_columns(const Src* src, Dst* dst, int64_t K, int64_t V, 
     }
   }
   if (i < K) {
+    if (stream != nullptr)
+      stream->stream(src, state_bytes, row_bytes * static_cast<size_t>(i) + stream_bytes, row_bytes);
     ahead.step();
     const VF ke0 = hn::Set(d, ke[i]), qe0 = hn::Set(d, qe[i]);
     for (int w = 0; w < W; w += kStep) {
@@ -337,7 +350,7 @@ static_assert(kColumnVectors >= 1 && kColumnVectors <= 8, "column blocks of 1 to
 // It replaced a form that interleaved the second sweep of one item with the first of the next, its
 // sums in memory and the next state prefetched toward L1 only a few KiB ahead, and was faster than it
 // (docs/performance.md, 2026-12-04 evening).
-template <typename Src, typename Dst>
+template <bool kRequests, typename Src, typename Dst>
 void slot_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, SlotToken& t, float scale,
                   const NextState& next) {
   const int64_t L = lanes();
@@ -347,17 +360,23 @@ void slot_k_first(const Src* src, Dst* dst, int64_t K, int64_t V, SlotToken& t, 
   };
   int64_t blocks = 0;
   for (int64_t left = V / L; left > 0; left -= width(left)) ++blocks;
-  NextStateToL2 ahead(next, 2 * K * blocks);
+  // The next state as requests toward L2 spread over the step (kRequests), or, an fp32 state where
+  // not (tuning.hpp: decode_next_state_to_l2), as a stream toward L1 ahead of the first block's first
+  // sweep, whole rows at a time. A bf16 state always takes the requests: streamed 2 or 8 KiB ahead it
+  // ran 7-17% slower from memory on Zen 5 (docs/performance.md, 2026-12-07).
+  static_assert(kRequests || std::is_same_v<Src, float>, "bf16 steps request");
+  NextStateToL2 ahead(kRequests ? next : NextState{}, 2 * K * blocks);
   for (int64_t j0 = 0; j0 < V;) {
     const int w = width((V - j0) / L);
+    const NextState* stream = !kRequests && j0 == 0 ? &next : nullptr;
     if (w == kColumnVectors)
-      k_first_columns<kColumnVectors>(src, dst, K, V, j0, t, scale, ahead);
+      k_first_columns<kColumnVectors>(src, dst, K, V, j0, t, scale, ahead, stream);
     else if (w == 4)
-      k_first_columns<4>(src, dst, K, V, j0, t, scale, ahead);
+      k_first_columns<4>(src, dst, K, V, j0, t, scale, ahead, stream);
     else if (w == 2)
-      k_first_columns<2>(src, dst, K, V, j0, t, scale, ahead);
+      k_first_columns<2>(src, dst, K, V, j0, t, scale, ahead, stream);
     else
-      k_first_columns<1>(src, dst, K, V, j0, t, scale, ahead);
+      k_first_columns<1>(src, dst, K, V, j0, t, scale, ahead, stream);
     j0 += w * L;
   }
 }
@@ -422,10 +441,20 @@ void SlotStep(const core::Plan& plan, const DecodeInputs& in, const DecodeOutput
       else
         to_pair_order(t.v.data(), plan.V);
     }
+    // An fp32 state's step requests the next one toward L2 or streams it, by CPU; bf16 ones do what
+    // each layout measured best (slot_v_first, slot_k_first).
+    constexpr bool kFloat = std::is_same_v<Src, float>;
+    const bool to_l2 = kFloat && next_state_to_l2();
     if (plan.v_first()) {
-      slot_v_first(from, to, plan.V, plan.K, t, plan.scale, w.scratch.data(), next);
+      if (to_l2)
+        slot_v_first<kFloat>(from, to, plan.V, plan.K, t, plan.scale, w.scratch.data(), next);
+      else
+        slot_v_first<false>(from, to, plan.V, plan.K, t, plan.scale, w.scratch.data(), next);
     } else {
-      slot_k_first(from, to, plan.K, plan.V, t, plan.scale, next);
+      if (to_l2 || !kFloat)
+        slot_k_first<true>(from, to, plan.K, plan.V, t, plan.scale, next);
+      else
+        slot_k_first<!kFloat>(from, to, plan.K, plan.V, t, plan.scale, next);
       if constexpr (kPairOrder<Src, Dst>) from_pair_order(t.o.data(), plan.V);
     }
   });

@@ -26,6 +26,12 @@ struct ByTarget {
   int avx2;
   int other;
 };
+// A value per CPU vendor: `amd` on AMD's (and Hygon's) x86 CPUs, `other` on every other CPU, for the
+// choices measured to differ between them (cpu/vendor.hpp reads the vendor once).
+struct ByVendor {
+  int64_t other;
+  int64_t amd;
+};
 // A value per SIMD target: `x86_below_avx512` on the x86 targets below AVX-512 (AVX2 and the portable
 // fallbacks there: 16 vector registers), `other` on AVX-512's, NEON and SVE (32).
 struct ByX86Width {
@@ -65,6 +71,17 @@ struct Tuning {
   // The same distance for the K-first token kernel, whose two sweeps run over the rows: twice the
   // V-first one, which measured a little faster. No result changes.
   int64_t decode_k_first_prefetch_bytes = 2 * decode_prefetch_bytes;
+  // How an fp32 decode slot step fetches the state its worker runs next: 1, as requests toward L2
+  // spread over the step (decode-inl.h's NextStateToL2); 0, as a stream toward L1
+  // decode_stream_bytes ahead of the rows being read, running on into the next state
+  // (NextState::stream). On the Xeon the L2 requests took a V-first step over 128 x 32 heads from
+  // 14.5 to 12.8 ms (2026-12-04); on Zen 5 the stream was faster in both layouts, 1.17-1.21x on a
+  // pool the caches hold and 1.09-1.10x on one read from memory (docs/performance.md, 2026-12-07).
+  // bf16 steps keep what they measured best: V-first ones stream (decode_prefetch_bytes), K-first
+  // ones request. No result changes.
+  ByVendor decode_next_state_to_l2{1, 0};
+  // How far ahead of the rows being read an fp32 slot step streams the state where it streams (bytes).
+  int64_t decode_stream_bytes = 8192;
   // State rows per pass of the V-first kernels and per group of the K-first token kernel's sweeps:
   // four independent reductions in flight. No result changes (each row's sums run in one order).
   int decode_rows = 4;
@@ -149,6 +166,7 @@ struct TuningRow {
   const char* value_on = nullptr;  // a per-target entry: the targets `value` is for
   int64_t other = 0;               // ... and the value on the others
   bool boolean = false;
+  const char* others = "the other targets";  // what `other` is for
 };
 
 constexpr TuningRow tuning_row(const char* name, int64_t value) { return {name, value, nullptr, 0, false}; }
@@ -160,15 +178,20 @@ constexpr TuningRow tuning_row(const char* name, ByTarget v) {
 constexpr TuningRow tuning_row(const char* name, ByX86Width v) {
   return {name, v.x86_below_avx512, "x86 below AVX-512", v.other, false};
 }
+constexpr TuningRow tuning_row(const char* name, ByVendor v) {
+  return {name, v.amd, "AMD CPUs", v.other, false, "other CPUs"};
+}
 
 // Every entry of kTuning, in its order, named as in the struct.
 #define KDA_TUNING_ROW(entry) tuning_row(#entry, kTuning.entry)
-inline constexpr std::array<TuningRow, 22> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
+inline constexpr std::array<TuningRow, 24> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
                                                           KDA_TUNING_ROW(decode_tokens),
                                                           KDA_TUNING_ROW(decode_slot_steps),
                                                           KDA_TUNING_ROW(decode_bytes_per_worker),
                                                           KDA_TUNING_ROW(decode_prefetch_bytes),
                                                           KDA_TUNING_ROW(decode_k_first_prefetch_bytes),
+                                                          KDA_TUNING_ROW(decode_next_state_to_l2),
+                                                          KDA_TUNING_ROW(decode_stream_bytes),
                                                           KDA_TUNING_ROW(decode_rows),
                                                           KDA_TUNING_ROW(decode_column_vectors),
                                                           KDA_TUNING_ROW(recurrent_forward_vectors),
