@@ -2,8 +2,10 @@
 
 --op: the op alone (build/kda_ggml_op_bench: both backends in one process, rounds alternated,
 medians) at decode (one token, with and without the copy of the state into the recurrent cache that
-llama.cpp's graph makes after it) and at prefill chunk sizes, for Qwen3.5's head shapes (16 key
-heads, 32 value heads, S = 128, scalar gate) and Kimi Linear's (32 heads, S = 128, per-channel gate).
+llama.cpp's graph makes after it; with the caches warm from the run before, and cold, emptied before
+every run as a model's other layers empty them) and at prefill chunk sizes, for Qwen3.5's head
+shapes (16 key heads, 32 value heads, S = 128, scalar gate) and Kimi Linear's (32 heads, S = 128,
+per-channel gate).
 
 --models: end to end, on 4-layer models with real layer sizes and random weights, F16 and Q8_0
 (bench/make_llama_models.py, made once into build/llama_bench_models):
@@ -42,12 +44,23 @@ SHAPES = {
     "Qwen3.5": dict(heads="16,32", gate="scalar"),
     "Kimi Linear": dict(heads="32,32", gate="channel"),
 }
-# (tokens, sequences, cache copy): decode alone, decode with the cache copy, a batch of 4 decodes,
-# prefill chunks (llama.cpp's default micro-batch is 512 tokens).
-CASES = [(1, 1, False), (1, 1, True), (1, 4, True), (64, 1, False), (512, 1, False), (2048, 1, False)]
+# (tokens, sequences, cache copy, cold): decode alone, decode with the cache copy, a batch of 4
+# decodes, the last two again with the caches emptied before every run (a model's decode step: its
+# layers' weights pass through the caches between two steps of one layer), prefill chunks (llama.cpp's
+# default micro-batch is 512 tokens).
+CASES = [
+    (1, 1, False, False),
+    (1, 1, True, False),
+    (1, 4, True, False),
+    (1, 1, True, True),
+    (1, 4, True, True),
+    (64, 1, False, False),
+    (512, 1, False, False),
+    (2048, 1, False, False),
+]
 
 
-def run(shape, tokens, sequences, cache_copy, threads, rounds):
+def run(shape, tokens, sequences, cache_copy, threads, rounds, cold=False):
     args = [
         str(BUILD / "kda_ggml_op_bench"),
         "--heads",
@@ -69,6 +82,8 @@ def run(shape, tokens, sequences, cache_copy, threads, rounds):
     ]
     if cache_copy:
         args.append("--cache-copy")
+    if cold:
+        args.append("--cold")
     done = subprocess.run(args, env=KDA_BACKEND, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -214,17 +229,22 @@ def bench_models(a):
 def bench_op(a):
     print(f"GATED_DELTA_NET alone, {a.threads} threads, medians of {a.rounds} alternated rounds (us)")
     print(
-        f"{'model':<12} {'T':>5} {'N':>2} {'cache copy':>10} {'ggml CPU':>10} {'kda':>10} {'ggml / kda':>10}"
+        f"{'model':<12} {'T':>5} {'N':>2} {'cache copy':>10} {'caches':>6} {'ggml CPU':>10} {'kda':>10} "
+        f"{'ggml / kda':>10}"
     )
     for name, shape in SHAPES.items():
-        for tokens, sequences, cache_copy in CASES:
-            r = run(shape, tokens, sequences, cache_copy, a.threads, a.rounds)
+        for tokens, sequences, cache_copy, cold in CASES:
+            r = run(shape, tokens, sequences, cache_copy, a.threads, a.rounds, cold)
             if a.json:
                 print(json.dumps(r))
             ratio = r["ggml_us"] / r["kda_us"]
             copy = "yes" if cache_copy else "no"
+            caches = "cold" if cold else "warm"
             times = f"{r['ggml_us']:>10.1f} {r['kda_us']:>10.1f}"
-            print(f"{name:<12} {tokens:>5} {sequences:>2} {copy:>10} {times} {ratio:>9.2f}x", flush=True)
+            print(
+                f"{name:<12} {tokens:>5} {sequences:>2} {copy:>10} {caches:>6} {times} {ratio:>9.2f}x",
+                flush=True,
+            )
 
 
 def main():
