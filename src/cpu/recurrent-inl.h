@@ -41,6 +41,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -369,15 +370,13 @@ constexpr int kGroup = on_target(kTuning.scalar_gate_group);
 constexpr int kScalarGateVectors = kTuning.scalar_gate_vectors;
 static_assert(kScalarGateVectors >= 1 && kScalarGateVectors <= 2, "sweeps of 1 or 2 vectors");
 static_assert(kGroup >= 1 && kChunkSize % kGroup == 0, "a block of rows is a whole number of groups");
-// Copies of each state row's coefficients in a group's rearranged q and k (group_columns): one per
-// vector of a sweep where a broadcast folds into its multiply-add as a memory operand (AVX-512);
-// elsewhere a broadcast is an instruction of its own, and one copy, shared by the vectors, loads less.
-constexpr int kCoefficientCopies = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 ? kScalarGateVectors : 1;
-// Whether the sweep issues the next row's update chain ahead of this row's sums
-// (forward_columns_scalar_gate): the chain (a multiply and c dependent multiply-adds, ~20 cycles) then
-// runs behind the sums instead of before them. With the broadcasts folded, AVX-512's 32 registers hold
-// both rows' vectors; AVX2's 16 do not, and there it ran slower (docs/performance.md, 2026-12-07).
-constexpr bool kUpdateAhead = kCoefficientCopies > 1;
+// Whether each vector of the sweep reads the coefficients through a pointer of its own (a copy of the
+// same address the compiler cannot see through, own_pointer): then every broadcast has one use, which
+// the compiler folds into its multiply-add as a memory operand (AVX-512's {1to16}), and the
+// broadcasts take no vector registers. Elsewhere a broadcast is an instruction of its own, shared by
+// the vectors.
+constexpr bool kOwnPointers = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3;
+constexpr bool kUpdateAhead = kOwnPointers;
 
 // The per-group scalars of the formulas above, shared by every column of a head's state.
 struct GateGroup {
@@ -412,39 +411,38 @@ void gate_groups(int64_t n, int64_t Kp, const float* q, const float* k, const fl
 }
 
 // Rows [0, groups * kGroup) of a block's q or k ([.][Kp]) rearranged by group into xT
-// ([groups][Kp][kCoefficientCopies][kGroup]): key channel r of the group's tokens side by side, in as
-// many copies as the sweep reads. The sweep then reads one state row's coefficients from one line
-// through one pointer (from the token rows it took 12 pointers to rows a page apart at c = 4, more
-// than the general registers, which were reloaded from the stack every row). On AVX-512 each
-// vector of a sweep reads its own copy, so every broadcast has one use, which the compiler folds
-// into its multiply-add as a memory operand: the broadcasts then take no vector registers, which
-// leaves room for the next row's update ahead of this row's sums (kUpdateAhead).
+// ([groups][Kp][kGroup]): key channel r of the group's tokens side by side, so that the sweep reads one
+// state row's coefficients from one line through one pointer. From the token rows it took 12 pointers
+// to rows a page apart at c = 4, more than the general registers, which were reloaded from the stack
+// every row (docs/performance.md, 2026-12-07).
 void group_columns(const float* HWY_RESTRICT x, int64_t groups, int64_t Kp, float* HWY_RESTRICT xT) {
-  constexpr int C = kGroup, NV = kCoefficientCopies;
+  constexpr int C = kGroup;
   const DF d;
   const int64_t L = lanes();
-  HWY_ALIGN float copy[C * hn::MaxLanes(DF())];
   for (int64_t gi = 0; gi < groups; ++gi) {
     const float* r0 = x + gi * C * Kp;
-    float* out = xT + gi * Kp * NV * C;
+    float* out = xT + gi * Kp * C;
     for (int64_t c0 = 0; c0 < Kp; c0 += L) {
-      // L key channels of the group's C tokens side by side: in place with one copy, else once, copied.
-      float* side = NV == 1 ? out + c0 * C : copy;
       if constexpr (C == 4) {
         hn::StoreInterleaved4(hn::LoadU(d, r0 + c0), hn::LoadU(d, r0 + Kp + c0),
-                              hn::LoadU(d, r0 + 2 * Kp + c0), hn::LoadU(d, r0 + 3 * Kp + c0), d, side);
+                              hn::LoadU(d, r0 + 2 * Kp + c0), hn::LoadU(d, r0 + 3 * Kp + c0), d,
+                              out + c0 * C);
       } else if constexpr (C == 2) {
-        hn::StoreInterleaved2(hn::LoadU(d, r0 + c0), hn::LoadU(d, r0 + Kp + c0), d, side);
+        hn::StoreInterleaved2(hn::LoadU(d, r0 + c0), hn::LoadU(d, r0 + Kp + c0), d, out + c0 * C);
       } else {
-        for (int64_t r = 0; r < L; ++r)
-          for (int i = 0; i < C; ++i) side[r * C + i] = r0[i * Kp + c0 + r];
+        for (int64_t r = c0; r < c0 + L; ++r)
+          for (int i = 0; i < C; ++i) out[r * C + i] = r0[i * Kp + r];
       }
-      if constexpr (NV > 1)
-        for (int64_t r = 0; r < L; ++r)
-          for (int c = 0; c < NV; ++c)
-            std::memcpy(out + ((c0 + r) * NV + c) * C, side + r * C, sizeof(float) * C);
     }
   }
+}
+
+// p, as a value the compiler cannot tell from another address (kOwnPointers).
+HWY_INLINE const float* own_pointer(const float* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  asm("" : "+r"(p));
+#endif
+  return p;
 }
 
 // Runs the `groups` groups of one block of rows through NV vectors of columns of the state, whose rows
@@ -459,9 +457,14 @@ HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t
                                               float scale, const PrefetchShare& pf) {
   const DF d;
   const int64_t L = lanes();
-  constexpr int C = kGroup, NC = kCoefficientCopies;
-  // Where state row r's coefficient i for vector c lies in a group's rearranged rows.
-  const auto at = [](int64_t r, int c, int i) { return (r * NC + (NC > 1 ? c : 0)) * C + i; };
+  constexpr int C = kGroup;
+  // Vector c's pointer to a group's rearranged rows x (kOwnPointers: its own for every vector).
+  const auto per_vector = [](const float* x) {
+    std::array<const float*, NV> p;
+    for (int c = 0; c < NV; ++c) p[c] = kOwnPointers && c > 0 ? own_pointer(x) : x;
+    return p;
+  };
+  const std::array<const float*, NV> k0 = per_vector(kT), q0 = per_vector(qT);
   VectorArray<NV * C> X, Y;  // P^T k_j and P^T q_j of the group, at j * NV + c
   for (int i = 0; i < NV * C; ++i) X.set(i, hn::Zero(d)), Y.set(i, hn::Zero(d));
   for (int64_t r = 0; r < K; ++r) {
@@ -469,9 +472,9 @@ HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t
     for (int c = 0; c < NV; ++c) {
       const VF s = hn::LoadU(d, row + c * L);
       for (int j = 0; j < C; ++j) {
-        X.set(j * NV + c, hn::MulAdd(hn::Set(d, kT[at(r, c, j)]), s, X.get(j * NV + c)));
+        X.set(j * NV + c, hn::MulAdd(hn::Set(d, k0[c][r * C + j]), s, X.get(j * NV + c)));
         if constexpr (kOutput)
-          Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qT[at(r, c, j)]), s, Y.get(j * NV + c)));
+          Y.set(j * NV + c, hn::MulAdd(hn::Set(d, q0[c][r * C + j]), s, Y.get(j * NV + c)));
       }
     }
   }
@@ -499,25 +502,25 @@ HWY_NOINLINE void forward_columns_scalar_gate(int64_t K, int64_t groups, int64_t
       for (int c = 0; c < NV; ++c) R.set(i * NV + c, hn::Mul(hn::Set(d, G.carry[i]), R.get(i * NV + c)));
     // P' = A_{c-1} P + sum_i k_i R_i^T, row by row, with the next group's P'^T k and P'^T q.
     const VF vA = hn::Set(d, G.A[C - 1]);
-    const float* kg = kT + gi * Kp * NC * C;
+    const std::array<const float*, NV> kg = per_vector(kT + gi * Kp * C);
     // Row r's new vector c: a multiply and C dependent multiply-adds, stored.
     const auto update = [&](int64_t r, int c) HWY_ATTR {
       float* row = Sb + r * ld;
       VF s = hn::Mul(hn::LoadU(d, row + c * L), vA);
-      for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[at(r, c, i)]), R.get(i * NV + c), s);
+      for (int i = 0; i < C; ++i) s = hn::MulAdd(hn::Set(d, kg[c][r * C + i]), R.get(i * NV + c), s);
       hn::StoreU(s, d, row + c * L);
       return s;
     };
     if (gi + 1 < groups) {
-      const float* kn = kg + Kp * NC * C;
-      const float* qn = qT + (gi + 1) * Kp * NC * C;
+      const std::array<const float*, NV> kn = per_vector(kT + (gi + 1) * Kp * C);
+      const std::array<const float*, NV> qn = per_vector(qT + (gi + 1) * Kp * C);
       for (int i = 0; i < NV * C; ++i) X.set(i, hn::Zero(d)), Y.set(i, hn::Zero(d));
       // Adds row r's new vector c times the next group's coefficients into X and Y.
       const auto accumulate = [&](int64_t r, int c, VF s) HWY_ATTR {
         for (int j = 0; j < C; ++j) {
-          X.set(j * NV + c, hn::MulAdd(hn::Set(d, kn[at(r, c, j)]), s, X.get(j * NV + c)));
+          X.set(j * NV + c, hn::MulAdd(hn::Set(d, kn[c][r * C + j]), s, X.get(j * NV + c)));
           if constexpr (kOutput)
-            Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qn[at(r, c, j)]), s, Y.get(j * NV + c)));
+            Y.set(j * NV + c, hn::MulAdd(hn::Set(d, qn[c][r * C + j]), s, Y.get(j * NV + c)));
         }
       };
       if constexpr (kUpdateAhead) {
@@ -593,7 +596,7 @@ struct ForwardWork {
     S.reset(heads * K * Vp);
     o.reset(heads * kC * Vp);
     decay.reset(heads * kC);
-    qT.reset(kC * Kp * kCoefficientCopies), kT.reset(kC * Kp * kCoefficientCopies);
+    qT.reset(kC * Kp), kT.reset(kC * Kp);
     gate_groups.resize(static_cast<size_t>(heads * (kC / kGroup)));
   }
   int64_t col_begin = 0, col_end = 0;  // the column blocks of the current item (see BlockedState)
