@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "cpu/vendor.hpp"
 #include "kda/kda.hpp"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -16,7 +17,6 @@
 #if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -33,15 +33,8 @@ namespace kda::cpu {
 namespace {
 
 #if KDA_X86_UNITS
-// The CPU's word (CPUID) and the operating system's (XCR0: which register states it saves) on each
-// unit; read directly, as compilers' __builtin_cpu_supports know different feature names.
-struct CpuId {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  CpuId(unsigned leaf, unsigned sub) {
-    if (!__get_cpuid_count(leaf, sub, &a, &b, &c, &d)) a = b = c = d = 0;
-  }
-};
-
+// The operating system's word (XCR0: which register states it saves); the CPU's are CpuId's
+// (vendor.hpp).
 uint64_t xcr0() {
   uint32_t lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));

@@ -75,8 +75,8 @@ struct Tuning {
   // spread over the step (decode-inl.h's NextStateToL2); 0, as a stream toward L1
   // decode_stream_bytes ahead of the rows being read, running on into the next state
   // (NextState::stream). On the Xeon the L2 requests took a V-first step over 128 x 32 heads from
-  // 14.5 to 12.8 ms (2026-12-04); on Zen 5 the stream was faster in both layouts, 1.17-1.21x on a
-  // pool the caches hold and 1.09-1.10x on one read from memory (docs/performance.md, 2026-12-07).
+  // 14.5 to 12.8 ms (2026-12-04); on Zen 5 the stream was faster in both layouts, 1.11-1.35x on
+  // pools the caches hold and 1.06-1.14x on one read from memory (docs/performance.md, 2026-12-07).
   // bf16 steps keep what they measured best: V-first ones stream (decode_prefetch_bytes), K-first
   // ones request. No result changes.
   ByVendor decode_next_state_to_l2{1, 0};
