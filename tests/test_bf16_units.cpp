@@ -124,9 +124,11 @@ double sum_bound(const std::vector<uint16_t>& A, const std::vector<uint16_t>& B,
 
 // The product of packed A (M x K) and B (K x N) on `unit` against reference_gemm, in the three ways a
 // product reaches C (C = A B; C += A B through a stage; C += A B from C's tiles), A lower triangular
-// or not (Combine::a_lower); columns past N and rows past M are canaries that must stay untouched.
+// or not (Combine::a_lower), all of C or its lower triangle (Combine::c_lower: the elements above the
+// diagonal are unspecified); columns past N and rows past M are canaries that must stay untouched.
 void check_against_reference(ProductUnit unit, int64_t M, int64_t N, int64_t K,
-                             const std::vector<uint16_t>& A, const std::vector<uint16_t>& B, bool a_lower) {
+                             const std::vector<uint16_t>& A, const std::vector<uint16_t>& B, bool a_lower,
+                             bool c_lower = false) {
   for (const int mode : {0, 1, 2}) {
     const int64_t ldc = N + 16;
     std::vector<float> C = random_floats((M + 3) * ldc, 3, false), want = C;
@@ -134,6 +136,7 @@ void check_against_reference(ProductUnit unit, int64_t M, int64_t N, int64_t K,
     combine.accumulate = mode != 0;
     combine.load_c = mode == 2;
     combine.a_lower = a_lower;
+    combine.c_lower = c_lower;
     cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), ldc, combine);
     cpu::reference_gemm(M, N, K, A.data(), B.data(), want.data(), ldc, combine);
     for (int64_t m = 0; m < M + 3; ++m)
@@ -143,9 +146,10 @@ void check_against_reference(ProductUnit unit, int64_t M, int64_t N, int64_t K,
           ASSERT_EQ(std::memcmp(&got, &ref, sizeof got), 0) << "wrote outside C at " << m << "," << n;
           continue;
         }
+        if (c_lower && n > m) continue;
         ASSERT_LE(std::fabs(got - ref), sum_bound(A, B, N, K, m, n, mode == 0 ? 0.0 : ref))
             << cpu::product_unit_name(unit) << " M=" << M << " N=" << N << " K=" << K << " at " << m << ","
-            << n << " mode=" << mode << " a_lower=" << a_lower;
+            << n << " mode=" << mode << " a_lower=" << a_lower << " c_lower=" << c_lower;
       }
   }
 }
@@ -231,6 +235,47 @@ TEST_P(NativeUnit, LowerTriangularProductsSkipOnlyZeros) {
             << cpu::product_unit_name(unit) << " M=" << M << " at " << m << "," << n;
     }
   }
+}
+
+TEST_P(NativeUnit, LowerResultsSkipOnlyTheUpperTriangle) {
+  // Combine::c_lower: C(m, n) for n <= m as the whole product gives it, A lower triangular or not.
+  const ProductUnit unit = GetParam();
+  for (const int64_t M : {1, 5, 16, 17, 33, 64, 70})
+    for (const int64_t N : {16, 48, 64, 80})
+      for (const int64_t K : {33, 128})
+        for (const bool a_lower : {false, true}) {
+          std::vector<float> a = random_floats(M * K, 21 + M, false), b = random_floats(K * N, 22 + N, false);
+          if (a_lower)
+            for (int64_t m = 0; m < M; ++m)
+              std::fill(a.begin() + m * K + std::min(m + 1, K), a.begin() + (m + 1) * K, 0.0f);
+          std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K));
+          std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
+          cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
+          cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
+          ASSERT_NO_FATAL_FAILURE(check_against_reference(unit, M, N, K, A, B, a_lower, true));
+        }
+  // The skip is real: the first rows' blocks (6 rows on AVX512-BF16, 32 on AMX) stop before column 32,
+  // so with B's columns from 32 on NaN, those rows' columns past 32 keep what C held.
+  const int64_t M = 64, N = 64, K = 64;
+  std::vector<float> a = random_floats(M * K, 31, false), b = random_floats(K * N, 32, false);
+  for (int64_t p = 0; p < K; ++p)
+    for (int64_t n = 32; n < N; ++n) b[p * N + n] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<uint16_t> A(cpu::packed_rows(M) * cpu::packed_depth(K));
+  std::vector<uint16_t> B(cpu::packed_depth(K) / 2 * 2 * cpu::packed_cols(N));
+  cpu::pack_a(M, K, a.data(), K, 1, false, A.data(), unit);
+  cpu::pack_b(K, N, b.data(), N, 1, B.data(), unit);
+  std::vector<float> C(M * N, 7.0f);
+  cpu::Combine combine;
+  combine.c_lower = true;
+  cpu::native_gemm(unit, M, N, K, A.data(), B.data(), C.data(), N, combine);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      if (n <= m)
+        ASSERT_EQ(std::isnan(C[m * N + n]), n >= 32)
+            << cpu::product_unit_name(unit) << " at " << m << "," << n;
+      if (m < 6 && n >= 32)
+        ASSERT_EQ(C[m * N + n], 7.0f) << cpu::product_unit_name(unit) << " at " << m << "," << n;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Units, NativeUnit, ::testing::Values(ProductUnit::amx, ProductUnit::avx512_bf16),

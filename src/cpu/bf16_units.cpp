@@ -362,16 +362,26 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
     const auto depth = [&](int64_t first, int64_t rows) {
       return combine.a_lower ? std::min(pairs, (first + rows + 1) / 2) : pairs;
     };
-    for (; m + kRows <= M; m += kRows)
-      avx512_rows<kRows>(nv, depth(m, kRows), A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
+    // The vectors of columns rows [first, first + rows) need: all, or for a lower C those up to the
+    // last row's column (none when it lies before n).
+    const auto vectors = [&](int64_t first, int64_t rows) {
+      return combine.c_lower ? static_cast<int>(std::clamp<int64_t>((first + rows - n + 15) / 16, 0, nv))
+                             : nv;
+    };
+    for (; m + kRows <= M; m += kRows) {
+      if (const int v = vectors(m, kRows); v > 0)
+        avx512_rows<kRows>(v, depth(m, kRows), A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
+    }
     const uint16_t* Am = A + m * lda;
     const int64_t tail = depth(m, M - m);
+    const int v = vectors(m, M - m);
+    if (v == 0) continue;
     switch (M - m) {
-      case 1: avx512_rows<1>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 2: avx512_rows<2>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 3: avx512_rows<3>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 4: avx512_rows<4>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 5: avx512_rows<5>(nv, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 1: avx512_rows<1>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 2: avx512_rows<2>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 3: avx512_rows<3>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 4: avx512_rows<4>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
+      case 5: avx512_rows<5>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
       default: break;
     }
   }
@@ -462,8 +472,10 @@ KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, con
     const int rt = M - m > 16 ? 2 : 1;
     // A lower triangular A's rows [m, m + 16 rt) end at depth m + 16 rt (Combine::a_lower).
     const int64_t block_depth = combine.a_lower ? std::min(depth, packed_depth(m + 16 * rt)) : depth;
-    for (int64_t n = 0; n < N; n += 32) {
-      const int ct = N - n > 16 ? 2 : 1;
+    // A lower C (Combine::c_lower) needs the columns up to the block's last row, m + 16 rt - 1.
+    const int64_t columns = combine.c_lower ? std::min(N, m + 16 * rt) : N;
+    for (int64_t n = 0; n < columns; n += 32) {
+      const int ct = columns - n > 16 ? 2 : 1;
       const uint16_t* Am = A + m * lda;
       const uint16_t* Bn = B + 2 * n;
       // Whole tiles that overwrite C are stored in place; the rest pass through the stage.

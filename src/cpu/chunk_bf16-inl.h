@@ -5,6 +5,9 @@
 //    right side instead of K + V, and Vn = U - W S = T (diag(beta) V - diag(beta) K e^G S), two products
 //    (three: T mixes Y's rows with cancellation, so its bf16 rounding would show in the errors of the
 //    zero-decay regime; T multiplies Y's rounded value and what that rounding lost, docs/math.md).
+//  - A chunk that decays by at most 80 e-folds in every channel (most chunks of a mild gate) splits
+//    its decay around its middle, and L and P are two products over the whole chunk that share their
+//    left operands with the state products (chunk_split_factors). Other chunks take the forms below.
 //  - A diagonal 16 x 16 block of L and P (KDA's per-channel gate) is a product too where that is safe:
 //    with F_i = e^{G_i - G_s} anchored at the block's first row s, E_ij = F_i / F_j, and q_i F_i and
 //    k_j / F_j stay inside fp32 and bf16's range while the block decays by at most kSplitDecayLimit
@@ -43,14 +46,17 @@ struct Bf16ChunkWork {
   Buffer<float> H;      // [C][Kp]: H_i = exp(g_{i+1} + ... + g_end), end the last row of i's block
   Buffer<float> gate0;  // [kBlocks][Kp]: exp(g_s), the first row's own factor, per block
   Buffer<float> Z;      // [kBlocks][Kp]: exp(G_last - G_end) per block
-  Buffer<float> carry;  // [Kp]: exp(G_s - G_end') while walking back over earlier blocks
-  Buffer<float> kb;     // [C][Kp]: key-side rows of one sub-chunk's products
+  Buffer<float> carry;  // [Kp]: exp(G_s - G_end') while walking back over earlier blocks, or the anchor a
+  Buffer<float> half;   // [Kp]: e^a = e^{G_last / 2}, the anchor of a chunk split at its middle
+  Buffer<float> kb;     // [C][Kp]: key-side rows of one sub-chunk's products, or of the whole chunk's
+                        // when it is split at its middle: k_j e^{a - G_j} (chunk_split_factors)
   Buffer<float> qk;     // [2 kSub][Kp]: its query-side rows for P, then for L
   Buffer<float> T;      // [C][C]: (I + L)^-1
   Buffer<float> Y_low;  // [C][Vp]: Y - bf16(Y), the part of Y its bf16 rounding loses
   Bf16ChunkWork(int64_t Kp, int64_t Vp) {
     Y_low.reset(C * Vp);
-    F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp);
+    F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp),
+        half.reset(Kp);
     kb.reset(C * Kp), qk.reset(2 * kSub * Kp), T.reset(C * C);
   }
 };
@@ -210,6 +216,115 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
   clock.lap(Phase::intra_matrices);
 }
 
+// ---- the chunk split at its middle ---------------------------------------------------------------
+// When no channel decays by more than kChunkSplitDecayLimit across the whole chunk, the decay between
+// rows splits around an anchor a = G_last / 2 per channel: E_ij = e^{G_i - a} e^{a - G_j}, each
+// factor within e^{+-40} of 1. Then L and P are two products over the whole chunk,
+//   P = (scale Q e^{G-a}) (K e^{a-G})^T        L = diag(beta) (K e^{G-a}) (K e^{a-G})^T,
+// and their left operands serve the state products too: (Q e^G) S = (Q e^{G-a}) (e^a S), and e^a S is
+// half of S's decay over the chunk (S' = e^a (e^a S)), taken before S is converted. Kd = K e^{G_last-G}
+// = e^a (K e^{a-G}). One exponential per channel and token, no per-block rows, and each term still
+// carries only its operands' bf16 roundings, as in the per-block form: an anchor moves the factors'
+// exponents, not their relative precision.
+inline constexpr double kChunkSplitDecayLimit = 2 * kSplitDecayLimit;
+
+// Qe and Kg anchored (scale q e^{G-a}, k e^{G-a}), Kd, decay_last, b.half = e^a and b.kb = k e^{a-G}
+// for rows [0, n) (kb zero up to padded(n)) when every channel decays by at most
+// kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), having written
+// nothing the per-block form does not write again. G is summed in double and rounded once to float,
+// which moves a factor by a few parts in 1e6 at most, far below the bf16 rounding of the operands.
+inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, bool scalar_gate) {
+  const int64_t Kp = w.Kp;
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  float* G = w.eG.data();          // [C][Kp]: here the exponents G_i, not their exponentials
+  float* anchor = b.carry.data();  // [Kp]: a = G_last / 2
+  if (scalar_gate) {               // one decay per row: the gathered rows hold it in every channel
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += core::nonpositive(static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
+      G[i * Kp] = static_cast<float>(acc);
+    }
+    if (!(acc >= -kChunkSplitDecayLimit)) return false;
+    for (int64_t i = 0; i < n; ++i) std::fill(G + i * Kp + 1, G + (i + 1) * Kp, G[i * Kp]);
+    std::fill(anchor, anchor + Kp, static_cast<float>(acc / 2));
+  } else {
+    // Channel by channel down the rows, the sums held in registers.
+    const DD dd;
+    const hn::Rebind<float, DD> dh;
+    const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
+    auto low = hn::Zero(dd);
+    auto nan = hn::Zero(dd);
+    for (int64_t c = 0; c < Kp; c += Ld) {
+      auto acc = hn::Zero(dd);
+      for (int64_t i = 0; i < n; ++i) {
+        const auto g = hn::LoadU(dh, w.g.data() + i * Kp + c);
+        const auto clamped = hn::IfThenElse(hn::Gt(g, hn::Zero(dh)), hn::Zero(dh), g);  // NaN stays
+        acc = hn::Add(acc, hn::PromoteTo(dd, clamped));
+        hn::StoreU(hn::DemoteTo(dh, acc), dh, G + i * Kp + c);
+      }
+      low = hn::Min(low, acc);
+      nan = hn::Or(nan, hn::IfThenElseZero(hn::IsNaN(acc), hn::Set(dd, 1.0)));
+      hn::StoreU(hn::DemoteTo(dh, hn::Mul(acc, hn::Set(dd, 0.5))), dh, anchor + c);
+    }
+    if (hn::GetLane(hn::MaxOfLanes(dd, nan)) != 0.0 ||
+        !(hn::GetLane(hn::MinOfLanes(dd, low)) >= -kChunkSplitDecayLimit))
+      return false;
+  }
+  for (int64_t c = 0; c < Kp; c += L) {
+    const VF half = exp_nonpositive(d, hn::LoadU(d, anchor + c));  // e^a
+    hn::StoreU(half, d, b.half.data() + c);
+    hn::StoreU(hn::Mul(half, half), d, w.decay_last.data() + c);
+  }
+  const VF vs = hn::Set(d, scale), two = hn::Set(d, 2.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* q = w.q.data() + i * Kp;
+    const float* k = w.k.data() + i * Kp;
+    const float* Gi = G + i * Kp;
+    float* Qe = w.Qe.data() + i * Kp;
+    float* Kg = w.Kg.data() + i * Kp;
+    float* Kd = w.Kd.data() + i * Kp;
+    float* Kinv = b.kb.data() + i * Kp;
+    for (int64_t c = 0; c < Kp; c += L) {
+      // f = e^{G_i - a} within e^{+-40}; 1 / f by a refined reciprocal (within an ulp or two: the
+      // operands it scales are rounded to bf16).
+      const VF f = hn::Exp(d, hn::Sub(hn::LoadU(d, Gi + c), hn::LoadU(d, anchor + c)));
+      VF r = hn::ApproximateReciprocal(f);
+      r = hn::Mul(r, hn::NegMulAdd(f, r, two));
+      const VF kc = hn::LoadU(d, k + c);
+      const VF ki = hn::Mul(kc, r);
+      hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
+      hn::StoreU(hn::Mul(kc, f), d, Kg + c);
+      hn::StoreU(ki, d, Kinv + c);
+      hn::StoreU(hn::Mul(ki, hn::LoadU(d, b.half.data() + c)), d, Kd + c);
+    }
+  }
+  std::fill(b.kb.data() + n * Kp, b.kb.data() + padded(n) * Kp, 0.0f);
+  return true;
+}
+
+// After the split products, which left -L (its left operand W kept negated for Y = U - W S) and P
+// with their upper triangles unspecified: L_ij = -(-L)_ij for j < i, P_ij for j <= i, zero elsewhere.
+inline void finish_split_triangles(ChunkWork& w, int64_t n) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  float* Lm = w.L.data();
+  float* Pm = w.P.data();
+  for (int64_t i = 0; i < n; ++i) {
+    float* Li = Lm + i * C;
+    float* Pi = Pm + i * C;
+    for (int64_t c = 0; c < C; c += L) {
+      const int64_t below = i - c;  // columns of this vector left of the diagonal
+      const auto strict = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(below, 0, L)));
+      const auto with_diagonal = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(below + 1, 0, L)));
+      hn::StoreU(hn::IfThenElseZero(strict, hn::Neg(hn::LoadU(d, Li + c))), d, Li + c);
+      hn::StoreU(hn::IfThenElseZero(with_diagonal, hn::LoadU(d, Pi + c)), d, Pi + c);
+    }
+  }
+  std::fill(Lm + n * C, Lm + C * C, 0.0f);
+  std::fill(Pm + n * C, Pm + C * C, 0.0f);
+}
+
 // T = (I + L)^-1 for rows [0, n) (zero elsewhere): forward substitution on the identity, 16 rows at a
 // time, as solve_wy does on [W | U].
 inline void invert_unit_lower(const ChunkWork& w, int64_t n, float* T) {
@@ -234,7 +349,10 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
                        float* O, PhaseClock& clock) {
   const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, ldx = w.ldx;
   const cpu::ProductSession session(cpu::product_unit());  // AMX: one tile configuration per chunk
-  if (scalar_gate) {
+  const bool split = chunk_split_factors(w, b, n, scale, scalar_gate);
+  if (split) {
+    clock.lap(Phase::decay_factors);
+  } else if (scalar_gate) {
     build_decay_factors_scalar(w, n, scale);
     clock.lap(Phase::decay_factors);
     build_intra_scalar(w, n, scale, true);
@@ -251,17 +369,29 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
     std::fill(xi + K, xi + Kp, 0.0f);
     std::fill(xi + Kp + w.V, xi + ldx, 0.0f);
   }
-  invert_unit_lower(w, n, b.T.data());
-  clock.lap(Phase::wy_solve);
-
   ChunkProducts& p = w.products;
   float* U = w.U();
+  // The split form's anchored operands meet e^a S: the first half of S's decay, taken now.
+  const float* decay = split ? b.half.data() : w.decay_last.data();
+  if (split)
+    for (int64_t kk = 0; kk < K; ++kk) scale_row(decay[kk], S + kk * Vp, S + kk * Vp, Vp);
   p.keep_b(0, K, Vp, S, Vp, 1);
-  // S is free once converted: decay it now, long before Kd^T Vn adds to it (see Combine::load_c).
-  for (int64_t kk = 0; kk < K; ++kk) scale_row(w.decay_last[kk], S + kk * Vp, S + kk * Vp, Vp);
+  // The split form's key side, (K e^{a-G})^T: inner K, one column per row of the chunk.
+  if (split) p.keep_b(1, K, padded(n), b.kb.data(), 1, Kp);
+  // S is free once converted: decay it (the rest of the way) now, long before Kd^T Vn adds to it (see
+  // Combine::load_c).
+  for (int64_t kk = 0; kk < K; ++kk) scale_row(decay[kk], S + kk * Vp, S + kk * Vp, Vp);
   p.times_kept(0, n, w.W(), ldx, 1,
-               {.C = U, .ldc = ldx, .mode = Accumulate::subtract, .c_is_old = true});  // Y
+               {.C = U, .ldc = ldx, .mode = Accumulate::subtract, .c_is_old = true});               // Y
+  if (split) p.times_kept_again(1, {.C = w.L.data(), .ldc = C, .c_lower = true, .negated = true});  // -L
   p.times_kept(0, n, w.Qe.data(), Kp, 1, {O, Vp});
+  if (split) {
+    p.times_kept_again(1, {.C = w.P.data(), .ldc = C, .c_lower = true});
+    finish_split_triangles(w, n);
+  }
+  clock.lap(split ? Phase::intra_matrices : Phase::state_products);
+  invert_unit_lower(w, n, b.T.data());
+  clock.lap(Phase::wy_solve);
   // Vn = T Y over Y, with Y in two bf16 parts (T mixes Y's rows with cancellation: see the top).
   float* Y_low = b.Y_low.data();
   round_to_bf16(U, n, Vp, ldx, Y_low, Vp);

@@ -71,6 +71,11 @@ class ChunkProducts {
     float* second = nullptr;
     int64_t second_from = 0;
     bool a_lower = false;  // A is lower triangular (cpu::Combine::a_lower): the native units skip its zeros
+    bool c_lower =
+        false;  // only C's lower triangle is wanted (cpu::Combine::c_lower); the rest is unspecified
+    // times_kept_again with overwrite after a times_kept that subtracted (its A is kept negated):
+    // C = -A B. Says so, so that no caller gets the sign by accident.
+    bool negated = false;
   };
 
   // Off (every exact kernel), or bf16 products on product_unit(), sized for this problem's K and V.
@@ -124,7 +129,7 @@ class ChunkProducts {
   // into (=, +=, -=) the last times_kept's A (converted once) * the kept B `slot`, of the same depth.
   void times_kept_again(int slot, const Into& into) {
     const Kept& k = kept_[slot];
-    HWY_DASSERT(k.inner == a_.inner && (into.mode == Accumulate::subtract) == a_.negated);
+    HWY_DASSERT(k.inner == a_.inner && (into.mode == Accumulate::subtract || into.negated) == a_.negated);
     // The sign sits in A (pack_a negates it for subtract), so the sum is added.
     const Accumulate mode = into.mode == Accumulate::overwrite ? Accumulate::overwrite : Accumulate::add;
     if (unit_ != cpu::ProductUnit::portable) {
@@ -133,6 +138,7 @@ class ChunkProducts {
       combine.second = into.second, combine.second_from = into.second_from;
       combine.load_c = into.c_is_old;
       combine.a_lower = into.a_lower;
+      combine.c_lower = into.c_lower;
       return cpu::native_gemm(unit_, a_.M, k.N, k.inner, a16_.data(), b16_[slot].data(), into.C, into.ldc,
                               combine);
     }
