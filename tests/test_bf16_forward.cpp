@@ -37,6 +37,10 @@ std::vector<Case> bf16_cases() {
                  "beta=sigmoid l2norm v_first h0 bf16"));
   cases.push_back(parse_case("lengths=200,67 H=1 HV=2 K=100 V=72 regime=spike h0 per_head"));
   cases.push_back(parse_case("B=2 T=129 H=1 HV=1 K=256 V=256 regime=strong h0"));
+  // Chunks split at their middle (a mild gate) with odd and the largest head sizes, and a chunk whose
+  // rows are fewer than a block.
+  cases.push_back(parse_case("lengths=200,7 H=1 HV=2 K=100 V=72 regime=mild h0"));
+  cases.push_back(parse_case("B=1 T=130 H=1 HV=1 K=256 V=256 regime=mild h0 per_head"));
   cases.push_back(parse_case("B=1 T=1000 H=1 HV=2 K=128 V=128 regime=zero h0 lower_bound"));
   // Heads smaller than a chunk: P's rows (C wide) are then the widest operand rows.
   cases.push_back(parse_case("B=2 T=70 H=1 HV=2 K=16 V=16 regime=strong h0"));

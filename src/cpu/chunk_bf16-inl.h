@@ -239,15 +239,32 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   float* G = w.eG.data();          // [C][Kp]: here the exponents G_i, not their exponentials
   float* anchor = b.carry.data();  // [Kp]: a = G_last / 2
-  if (scalar_gate) {               // one decay per row: the gathered rows hold it in every channel
+  // f = e^{G_i - a} (within e^{+-40}) and 1 / f by a refined reciprocal (within an ulp or two: the
+  // operands it scales are rounded to bf16).
+  const VF two = hn::Set(d, 2.0f);
+  const auto factor = [&](VF exponent, VF& f, VF& r) {
+    f = hn::Exp(d, exponent);
+    r = hn::ApproximateReciprocal(f);
+    r = hn::Mul(r, hn::NegMulAdd(f, r, two));
+  };
+  // A per-head gate's factors are one number per row: f_i and 1 / f_i, for all rows at once.
+  alignas(64) float row_f[C], row_r[C];
+  if (scalar_gate) {
     double acc = 0.0;
     for (int64_t i = 0; i < n; ++i) {
       acc += core::nonpositive(static_cast<double>(w.g[static_cast<size_t>(i * Kp)]));
-      G[i * Kp] = static_cast<float>(acc);
+      row_f[i] = static_cast<float>(acc);
     }
     if (!(acc >= -kChunkSplitDecayLimit)) return false;
-    for (int64_t i = 0; i < n; ++i) std::fill(G + i * Kp + 1, G + (i + 1) * Kp, G[i * Kp]);
-    std::fill(anchor, anchor + Kp, static_cast<float>(acc / 2));
+    const float a = static_cast<float>(acc / 2);
+    std::fill(anchor, anchor + Kp, a);
+    std::fill(row_f + n, row_f + padded(n), a);
+    for (int64_t i = 0; i < n; i += L) {
+      VF f, r;
+      factor(hn::Sub(hn::Load(d, row_f + i), hn::Set(d, a)), f, r);
+      hn::Store(f, d, row_f + i);
+      hn::Store(r, d, row_r + i);
+    }
   } else {
     // Channel by channel down the rows, the sums held in registers.
     const DD dd;
@@ -276,7 +293,7 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
     hn::StoreU(half, d, b.half.data() + c);
     hn::StoreU(hn::Mul(half, half), d, w.decay_last.data() + c);
   }
-  const VF vs = hn::Set(d, scale), two = hn::Set(d, 2.0f);
+  const VF vs = hn::Set(d, scale);
   for (int64_t i = 0; i < n; ++i) {
     const float* q = w.q.data() + i * Kp;
     const float* k = w.k.data() + i * Kp;
@@ -286,11 +303,11 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
     float* Kd = w.Kd.data() + i * Kp;
     float* Kinv = b.kb.data() + i * Kp;
     for (int64_t c = 0; c < Kp; c += L) {
-      // f = e^{G_i - a} within e^{+-40}; 1 / f by a refined reciprocal (within an ulp or two: the
-      // operands it scales are rounded to bf16).
-      const VF f = hn::Exp(d, hn::Sub(hn::LoadU(d, Gi + c), hn::LoadU(d, anchor + c)));
-      VF r = hn::ApproximateReciprocal(f);
-      r = hn::Mul(r, hn::NegMulAdd(f, r, two));
+      VF f, r;
+      if (scalar_gate)
+        f = hn::Set(d, row_f[i]), r = hn::Set(d, row_r[i]);
+      else
+        factor(hn::Sub(hn::LoadU(d, Gi + c), hn::LoadU(d, anchor + c)), f, r);
       const VF kc = hn::LoadU(d, k + c);
       const VF ki = hn::Mul(kc, r);
       hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
