@@ -16,13 +16,14 @@ import time
 
 import numpy as np
 from kda import check, engine
+from kda._family import GDN, KDA
 
 
 def errors(family, regime, T, precision, rng_seed=0):
     rng = np.random.default_rng(rng_seed)
     x, state, fused = check._inputs(rng, family, regime, 1, T, 1, 1, 128, 128)
     gate = "softplus" if fused else "log_decay"
-    problem = engine.prepare(x["q"], x["v"], gate=gate, gate_width=family)
+    problem = engine.prepare(x["q"], x["v"], gate=gate, gate_width=family.gate_width)
     o_ref = np.zeros(x["v"].shape, np.float64)
     ht_ref = np.zeros(state.shape, np.float64)
     wide = [a.astype(np.float64) for a in x.values()]
@@ -55,12 +56,12 @@ def main():
         f"{'state exact':>11}  seconds"
     )
     curves = {}
-    for family in ("per_key", "per_head"):
+    for family in (KDA, GDN):
         for regime in check.REGIMES:
             for T in lengths:
                 start = time.perf_counter()
                 e = errors(family, regime, T, ("bf16", "exact"))
-                name = "KDA" if family == "per_key" else "GDN"
+                name = family.name
                 curves.setdefault((name, regime), []).append((T, *e["bf16"]))
                 print(
                     f"{name:<6} {regime:<10} {T:>6}  {e['bf16'][0]:8.2e} {e['bf16'][1]:10.2e}  "
