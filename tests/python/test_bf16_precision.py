@@ -119,3 +119,26 @@ def test_fla_bf16_criterion(gate_width, normalizer):
     )
     testing.assert_close("o", ref, tri.float(), 0.005)
     testing.assert_close("ht", ref_ht, tri_ht, 0.005)
+
+
+def test_the_accuracy_bench_runs_and_stays_within_the_limit():
+    # bench/bf16_accuracy.py, the curve docs/math.md quotes, at its smallest length: a row per family
+    # and regime, each error within forward_bf16's limits (it had failed at its first case unnoticed).
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bf16_accuracy.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--T", "300"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["KDA"], ["GDN"])]
+    assert {(r[0], r[1]) for r in rows} == {
+        (f, g) for f in ("KDA", "GDN") for g in ("mild", "strong", "zero", "spike", "unbounded")
+    }
+    for family, regime, T, o_bf16, state_bf16, o_exact, state_exact, _ in rows:
+        assert T == "300"
+        assert float(o_bf16) <= tolerance("forward_bf16", torch.float32, "o"), (family, regime)
+        assert float(state_bf16) <= tolerance("forward_bf16", torch.float32, "state"), (family, regime)
+        assert float(o_exact) <= tolerance("forward", torch.float32, "o"), (family, regime)
+        assert float(state_exact) <= tolerance("forward", torch.float32, "state"), (family, regime)
