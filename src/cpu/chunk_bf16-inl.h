@@ -228,7 +228,8 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
 // exponents, not their relative precision.
 inline constexpr double kChunkSplitDecayLimit = 2 * kSplitDecayLimit;
 
-// Qe and Kg anchored (scale q e^{G-a}, k e^{G-a}), Kd, decay_last, b.half = e^a and b.kb = k e^{a-G}
+// Qe and W anchored (scale q e^{G-a}; beta k e^{G-a} in X's W columns, whose padding the caller
+// zeroes), Kd, decay_last, b.half = e^a and b.kb = k e^{a-G}
 // for rows [0, n) (kb zero up to padded(n)) when every channel decays by at most
 // kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), having written
 // nothing the per-block form does not write again. G is summed in double and rounded once to float,
@@ -299,9 +300,10 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
     const float* k = w.k.data() + i * Kp;
     const float* Gi = G + i * Kp;
     float* Qe = w.Qe.data() + i * Kp;
-    float* Kg = w.Kg.data() + i * Kp;
+    float* W = w.W() + i * w.ldx;
     float* Kd = w.Kd.data() + i * Kp;
     float* Kinv = b.kb.data() + i * Kp;
+    const VF beta = hn::Set(d, w.beta[i]);
     for (int64_t c = 0; c < Kp; c += L) {
       VF f, r;
       if (scalar_gate)
@@ -311,7 +313,7 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
       const VF kc = hn::LoadU(d, k + c);
       const VF ki = hn::Mul(kc, r);
       hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
-      hn::StoreU(hn::Mul(kc, f), d, Kg + c);
+      hn::StoreU(hn::Mul(beta, hn::Mul(kc, f)), d, W + c);
       hn::StoreU(ki, d, Kinv + c);
       hn::StoreU(hn::Mul(ki, hn::LoadU(d, b.half.data() + c)), d, Kd + c);
     }
@@ -380,7 +382,7 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   float* X = w.X.data();
   for (int64_t i = 0; i < n; ++i) {
     float* xi = X + i * ldx;
-    scale_row(w.beta[i], w.Kg.data() + i * Kp, xi, Kp);
+    if (!split) scale_row(w.beta[i], w.Kg.data() + i * Kp, xi, Kp);  // W (the split form wrote it)
     scale_row(w.beta[i], w.v.data() + i * Vp, xi + Kp, Vp);
     // Padding stays zero even for a NaN beta (0 * NaN): products over whole rows read it.
     std::fill(xi + K, xi + Kp, 0.0f);
