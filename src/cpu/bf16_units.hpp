@@ -66,7 +66,8 @@ struct Combine {
   bool a_lower = false;
   // Only C's lower triangle, C(m, n) for n <= m, is wanted (a chunk's L and P): a block of rows may
   // stop at the columns of its last row, so C's elements above the diagonal are left unspecified
-  // (written or not). About 0.6 of the products at 64 x 64.
+  // (written or not). At 64 x 64: 0.65 of the products on AVX512-BF16 (6-row tiles), 0.75 on AMX
+  // (32-row blocks).
   bool c_lower = false;
   float* row(float* C, int64_t ldc, int64_t m) const {
     return second != nullptr && m >= second_from ? second + (m - second_from) * ldc : C + m * ldc;

@@ -13,9 +13,9 @@
 //    k_j / F_j stay inside fp32 and bf16's range while the block decays by at most kSplitDecayLimit
 //    in every channel. A block that decays more (the -1000 spikes, an unbounded gate) takes the
 //    exact kernel's per-element products.
-//  - Every decay factor is a product of per-block factors (each an exponential of a direct sum of at
-//    most 16 gates, in double) and is <= 1, so nothing overflows: 2 exponentials per channel and
-//    token instead of the exact kernel's 5 to 6.
+//  - In the per-block forms every decay factor is a product of per-block factors (each an exponential
+//    of a direct sum of at most 16 gates, in double) and is <= 1, so nothing overflows: 2
+//    exponentials per channel and token instead of the exact kernel's 5 to 6.
 // Compiled per Highway target: include after chunk_intra-inl.h, inside no namespace.
 
 #if defined(KDA_CPU_CHUNK_BF16_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -231,9 +231,15 @@ inline constexpr double kChunkSplitDecayLimit = 2 * kSplitDecayLimit;
 // Qe and W anchored (scale q e^{G-a}; beta k e^{G-a} in X's W columns, whose padding the caller
 // zeroes), Kd, decay_last, b.half = e^a and b.kb = k e^{a-G}
 // for rows [0, n) (kb zero up to padded(n)) when every channel decays by at most
-// kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), having written
-// nothing the per-block form does not write again. G is summed in double and rounded once to float,
-// which moves a factor by a few parts in 1e6 at most, far below the bf16 rounding of the operands.
+// kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), or when a factor
+// times q or k is not finite (|q| or |k| past ~1e21: the factors reach e^40, where the per-block
+// forms keep q e^G and k e^{G_last-G} at most |q| and |k|). Whatever it wrote that the per-block
+// forms do not write again (the exponents in w.eG) nothing else in the forward reads. G is summed
+// in double and rounded once to float, which moves a factor by a few parts in 1e6 at most, far below
+// the bf16 rounding of the operands.
+// The factors also scale values down by up to e^-40 (e^a S, q and k e^{G-a} or e^{a-G}), so elements
+// below ~3e-21 (fp32's smallest normal times e^40) round to zero in bf16, as q F and k / F of the
+// per-block diagonal blocks always did; the exact kernels have no such floor (docs/math.md).
 inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, bool scalar_gate) {
   const int64_t Kp = w.Kp;
   const DF d;
@@ -295,6 +301,7 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
     hn::StoreU(hn::Mul(half, half), d, w.decay_last.data() + c);
   }
   const VF vs = hn::Set(d, scale);
+  auto finite = hn::IsFinite(hn::Zero(d));
   for (int64_t i = 0; i < n; ++i) {
     const float* q = w.q.data() + i * Kp;
     const float* k = w.k.data() + i * Kp;
@@ -311,13 +318,15 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
       else
         factor(hn::Sub(hn::LoadU(d, Gi + c), hn::LoadU(d, anchor + c)), f, r);
       const VF kc = hn::LoadU(d, k + c);
-      const VF ki = hn::Mul(kc, r);
-      hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
-      hn::StoreU(hn::Mul(beta, hn::Mul(kc, f)), d, W + c);
+      const VF ki = hn::Mul(kc, r), kf = hn::Mul(kc, f), qf = hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f));
+      finite = hn::And(finite, hn::And(hn::IsFinite(qf), hn::And(hn::IsFinite(kf), hn::IsFinite(ki))));
+      hn::StoreU(qf, d, Qe + c);
+      hn::StoreU(hn::Mul(beta, kf), d, W + c);
       hn::StoreU(ki, d, Kinv + c);
       hn::StoreU(hn::Mul(ki, hn::LoadU(d, b.half.data() + c)), d, Kd + c);
     }
   }
+  if (!hn::AllTrue(d, finite)) return false;
   std::fill(b.kb.data() + n * Kp, b.kb.data() + padded(n) * Kp, 0.0f);
   return true;
 }
@@ -388,6 +397,10 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
     std::fill(xi + K, xi + Kp, 0.0f);
     std::fill(xi + Kp + w.V, xi + ldx, 0.0f);
   }
+  if (!split) {  // (the split form's L comes with the products below)
+    invert_unit_lower(w, n, b.T.data());
+    clock.lap(Phase::wy_solve);
+  }
   ChunkProducts& p = w.products;
   float* U = w.U();
   // The split form's anchored operands meet e^a S: the first half of S's decay, taken now.
@@ -409,8 +422,10 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
     finish_split_triangles(w, n);
   }
   clock.lap(split ? Phase::intra_matrices : Phase::state_products);
-  invert_unit_lower(w, n, b.T.data());
-  clock.lap(Phase::wy_solve);
+  if (split) {  // L came with the products just above
+    invert_unit_lower(w, n, b.T.data());
+    clock.lap(Phase::wy_solve);
+  }
   // Vn = T Y over Y, with Y in two bf16 parts (T mixes Y's rows with cancellation: see the top).
   float* Y_low = b.Y_low.data();
   round_to_bf16(U, n, Vp, ldx, Y_low, Vp);

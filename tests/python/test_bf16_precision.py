@@ -142,3 +142,19 @@ def test_the_accuracy_bench_runs_and_stays_within_the_limit():
         assert float(state_bf16) <= tolerance("forward_bf16", torch.float32, "state"), (family, regime)
         assert float(o_exact) <= tolerance("forward", torch.float32, "o"), (family, regime)
         assert float(state_exact) <= tolerance("forward", torch.float32, "state"), (family, regime)
+
+
+@pytest.mark.parametrize("gate_width", ["per_key", "per_head"])
+def test_huge_queries_and_keys_stay_finite(gate_width):
+    # The split form scales q and k by factors up to e^40 (docs/math.md, bf16 products, step 0); a
+    # chunk whose scaled operands would overflow takes the per-block forms, which keep them at most
+    # |q| and |k|. q at 1e30 (o ~1e30, inside fp32) must come out finite and within the limit.
+    case = Case(T=130, H=1, HV=2, K=64, V=32, regime="mild", gate_width=gate_width)
+    tensors, options = make_inputs(case)
+    tensors["q"] = tensors["q"] * 1e30
+    function = FUNCTIONS[gate_width]
+    o, final = _call(function, tensors, options, precision="bf16")
+    want_o, want_final = _call(function, *as_oracle(tensors, options))
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    assert rel_rms(o, want_o) <= tolerance("forward_bf16", torch.float32, "o")
+    assert rel_rms(final, want_final) <= tolerance("forward_bf16", torch.float32, "state")
