@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "cpu/chunk_intra-inl.h"
 #include "cpu/phase_clock.hpp"
@@ -231,9 +232,10 @@ inline constexpr double kChunkSplitDecayLimit = 2 * kSplitDecayLimit;
 // Qe and W anchored (scale q e^{G-a}; beta k e^{G-a} in X's W columns, whose padding the caller
 // zeroes), Kd, decay_last, b.half = e^a and b.kb = k e^{a-G}
 // for rows [0, n) (kb zero up to padded(n)) when every channel decays by at most
-// kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), or when a factor
-// times q or k is not finite (|q| or |k| past ~1e21: the factors reach e^40, where the per-block
-// forms keep q e^G and k e^{G_last-G} at most |q| and |k|). Whatever it wrote that the per-block
+// kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), or when q or k is large
+// enough that a factor could take it past fp32's range (|scale q| or |k| above FLT_MAX e^{min a} / 16,
+// ~1e21 where a chunk decays by the full 80 e-folds: the factors reach e^40, where the per-block forms
+// keep q e^G and k e^{G_last-G} at most |q| and |k|). Whatever it wrote that the per-block
 // forms do not write again (the exponents in w.eG) nothing else in the forward reads. G is summed
 // in double and rounded once to float, which moves a factor by a few parts in 1e6 at most, far below
 // the bf16 rounding of the operands.
@@ -295,13 +297,25 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
         !(hn::GetLane(hn::MinOfLanes(dd, low)) >= -kChunkSplitDecayLimit))
       return false;
   }
+  // Every factor is at most e^{-a} (f <= e^{G_i - a} with G_i <= 0, 1 / f <= e^{a - G_last} = e^{-a}):
+  // the scaled q and k stay finite, with room for beta, while |scale q| and |k| are below
+  // FLT_MAX e^{min a} / 16. NaNs pass (either form carries them).
+  VF largest = hn::Zero(d), lowest_anchor = hn::Zero(d);
+  for (int64_t c = 0; c < Kp; c += L) lowest_anchor = hn::Min(lowest_anchor, hn::LoadU(d, anchor + c));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < Kp; c += L)
+      largest = hn::Max(largest, hn::Max(hn::Mul(hn::Set(d, std::fabs(scale)),
+                                                 hn::Abs(hn::LoadU(d, w.q.data() + i * Kp + c))),
+                                         hn::Abs(hn::LoadU(d, w.k.data() + i * Kp + c))));
+  const double room = std::numeric_limits<float>::max() / 16.0 *
+                      std::exp(static_cast<double>(hn::GetLane(hn::MinOfLanes(d, lowest_anchor))));
+  if (!(hn::GetLane(hn::MaxOfLanes(d, largest)) <= room)) return false;
   for (int64_t c = 0; c < Kp; c += L) {
     const VF half = exp_nonpositive(d, hn::LoadU(d, anchor + c));  // e^a
     hn::StoreU(half, d, b.half.data() + c);
     hn::StoreU(hn::Mul(half, half), d, w.decay_last.data() + c);
   }
   const VF vs = hn::Set(d, scale);
-  auto finite = hn::IsFinite(hn::Zero(d));
   for (int64_t i = 0; i < n; ++i) {
     const float* q = w.q.data() + i * Kp;
     const float* k = w.k.data() + i * Kp;
@@ -318,15 +332,13 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
       else
         factor(hn::Sub(hn::LoadU(d, Gi + c), hn::LoadU(d, anchor + c)), f, r);
       const VF kc = hn::LoadU(d, k + c);
-      const VF ki = hn::Mul(kc, r), kf = hn::Mul(kc, f), qf = hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f));
-      finite = hn::And(finite, hn::And(hn::IsFinite(qf), hn::And(hn::IsFinite(kf), hn::IsFinite(ki))));
-      hn::StoreU(qf, d, Qe + c);
-      hn::StoreU(hn::Mul(beta, kf), d, W + c);
+      const VF ki = hn::Mul(kc, r);
+      hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
+      hn::StoreU(hn::Mul(beta, hn::Mul(kc, f)), d, W + c);
       hn::StoreU(ki, d, Kinv + c);
       hn::StoreU(hn::Mul(ki, hn::LoadU(d, b.half.data() + c)), d, Kd + c);
     }
   }
-  if (!hn::AllTrue(d, finite)) return false;
   std::fill(b.kb.data() + n * Kp, b.kb.data() + padded(n) * Kp, 0.0f);
   return true;
 }
