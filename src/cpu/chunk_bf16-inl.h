@@ -49,15 +49,16 @@ struct Bf16ChunkWork {
   Buffer<float> Z;      // [kBlocks][Kp]: exp(G_last - G_end) per block
   Buffer<float> carry;  // [Kp]: exp(G_s - G_end') while walking back over earlier blocks, or the anchor a
   Buffer<float> half;   // [Kp]: e^a = e^{G_last / 2}, the anchor of a chunk split at its middle
-  Buffer<float> kb;     // [C][Kp]: key-side rows of one sub-chunk's products, or of the whole chunk's
-                        // when it is split at its middle: k_j e^{a - G_j} (chunk_split_factors)
-  Buffer<float> qk;     // [2 kSub][Kp]: its query-side rows for P, then for L
-  Buffer<float> T;      // [C][C]: (I + L)^-1
-  Buffer<float> Y_low;  // [C][Vp]: Y - bf16(Y), the part of Y its bf16 rounding loses
+  Buffer<float> row_f, row_r;  // [C]: a per-head gate's split factors e^{G_i - a} and e^{a - G_i}
+  Buffer<float> kb;            // [C][Kp]: key-side rows of one sub-chunk's products, or of the whole chunk's
+                               // when it is split at its middle: k_j e^{a - G_j} (chunk_split_factors)
+  Buffer<float> qk;            // [2 kSub][Kp]: its query-side rows for P, then for L
+  Buffer<float> T;             // [C][C]: (I + L)^-1
+  Buffer<float> Y_low;         // [C][Vp]: Y - bf16(Y), the part of Y its bf16 rounding loses
   Bf16ChunkWork(int64_t Kp, int64_t Vp) {
     Y_low.reset(C * Vp);
     F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp),
-        half.reset(Kp);
+        half.reset(Kp), row_f.reset(C), row_r.reset(C);
     kb.reset(C * Kp), qk.reset(2 * kSub * Kp), T.reset(C * C);
   }
 };
@@ -230,7 +231,7 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
 inline constexpr double kChunkSplitDecayLimit = 2 * kSplitDecayLimit;
 
 // Qe and W anchored (scale q e^{G-a}; beta k e^{G-a} in X's W columns, whose padding the caller
-// zeroes), Kd, decay_last, b.half = e^a and b.kb = k e^{a-G}
+// zeroes), Kd, decay_last, b.half = e^a, and b.kb = k e^{a-G} (KDA) or b.row_f, b.row_r (a per-head gate)
 // for rows [0, n) (kb zero up to padded(n)) when every channel decays by at most
 // kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), or when q or k is large
 // enough that a factor could take it past fp32's range (|scale q| or |k| above FLT_MAX e^{min a} / 16,
@@ -257,7 +258,8 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
     r = hn::Mul(r, hn::NegMulAdd(f, r, two));
   };
   // A per-head gate's factors are one number per row: f_i and 1 / f_i, for all rows at once.
-  alignas(64) float row_f[C], row_r[C];
+  float* row_f = b.row_f.data();
+  float* row_r = b.row_r.data();
   if (scalar_gate) {
     double acc = 0.0;
     for (int64_t i = 0; i < n; ++i) {
@@ -267,12 +269,12 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
     if (!(acc >= -kChunkSplitDecayLimit)) return false;
     const float a = static_cast<float>(acc / 2);
     std::fill(anchor, anchor + Kp, a);
-    std::fill(row_f + n, row_f + padded(n), a);
-    for (int64_t i = 0; i < n; i += L) {
+    std::fill(row_f + n, row_f + C, a);
+    for (int64_t i = 0; i < C; i += L) {
       VF f, r;
-      factor(hn::Sub(hn::Load(d, row_f + i), hn::Set(d, a)), f, r);
-      hn::Store(f, d, row_f + i);
-      hn::Store(r, d, row_r + i);
+      factor(hn::Sub(hn::LoadU(d, row_f + i), hn::Set(d, a)), f, r);
+      hn::StoreU(f, d, row_f + i);
+      hn::StoreU(r, d, row_r + i);
     }
   } else {
     // Channel by channel down the rows, the sums held in registers.
@@ -335,17 +337,21 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
       const VF ki = hn::Mul(kc, r);
       hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
       hn::StoreU(hn::Mul(beta, hn::Mul(kc, f)), d, W + c);
-      hn::StoreU(ki, d, Kinv + c);
+      if (!scalar_gate) hn::StoreU(ki, d, Kinv + c);
       hn::StoreU(hn::Mul(ki, hn::LoadU(d, b.half.data() + c)), d, Kd + c);
     }
   }
-  std::fill(b.kb.data() + n * Kp, b.kb.data() + padded(n) * Kp, 0.0f);
+  if (!scalar_gate) std::fill(b.kb.data() + n * Kp, b.kb.data() + padded(n) * Kp, 0.0f);
   return true;
 }
 
-// After the split products, which left -L (its left operand W kept negated for Y = U - W S) and P
-// with their upper triangles unspecified: L_ij = -(-L)_ij for j < i, P_ij for j <= i, zero elsewhere.
-inline void finish_split_triangles(ChunkWork& w, int64_t n) {
+// After the split products, their upper triangles unspecified. KDA's left -L (its left operand W kept
+// negated for Y = U - W S) and P: L_ij = -(-L)_ij for j < i, P_ij for j <= i. A per-head gate's are
+// the plain products K K^T and Q K^T, whose decay is a number per row and column:
+// L_ij = beta_i f_i r_j (k_i . k_j), P_ij = scale f_i r_j (q_i . k_j) (f = e^{G-a}, r = e^{a-G}).
+// Zero elsewhere.
+inline void finish_split_triangles(ChunkWork& w, const Bf16ChunkWork& b, int64_t n, float scale,
+                                   bool scalar_gate) {
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   float* Lm = w.L.data();
@@ -353,12 +359,20 @@ inline void finish_split_triangles(ChunkWork& w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float* Li = Lm + i * C;
     float* Pi = Pm + i * C;
+    const float fi = scalar_gate ? b.row_f[static_cast<size_t>(i)] : 1.0f;
+    const VF l_row = hn::Set(d, scalar_gate ? w.beta[i] * fi : -1.0f),
+             p_row = hn::Set(d, scalar_gate ? scale * fi : 1.0f);
     for (int64_t c = 0; c < C; c += L) {
       const int64_t below = i - c;  // columns of this vector left of the diagonal
       const auto strict = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(below, 0, L)));
       const auto with_diagonal = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(below + 1, 0, L)));
-      hn::StoreU(hn::IfThenElseZero(strict, hn::Neg(hn::LoadU(d, Li + c))), d, Li + c);
-      hn::StoreU(hn::IfThenElseZero(with_diagonal, hn::LoadU(d, Pi + c)), d, Pi + c);
+      VF lv = hn::Mul(l_row, hn::LoadU(d, Li + c)), pv = hn::Mul(p_row, hn::LoadU(d, Pi + c));
+      if (scalar_gate) {
+        const VF r = hn::LoadU(d, b.row_r.data() + c);
+        lv = hn::Mul(lv, r), pv = hn::Mul(pv, r);
+      }
+      hn::StoreU(hn::IfThenElseZero(strict, lv), d, Li + c);
+      hn::StoreU(hn::IfThenElseZero(with_diagonal, pv), d, Pi + c);
     }
   }
   std::fill(Lm + n * C, Lm + C * C, 0.0f);
@@ -420,18 +434,24 @@ inline void bf16_chunk(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float scale, b
   if (split)
     for (int64_t kk = 0; kk < K; ++kk) scale_row(decay[kk], S + kk * Vp, S + kk * Vp, Vp);
   p.keep_b(0, K, Vp, S, Vp, 1);
-  // The split form's key side, (K e^{a-G})^T: inner K, one column per row of the chunk.
-  if (split) p.keep_b(1, K, padded(n), b.kb.data(), 1, Kp);
+  // The split form's key side, (K e^{a-G})^T, or a per-head gate's K^T: inner K, one column per row.
+  if (split) p.keep_b(1, K, padded(n), scalar_gate ? w.k.data() : b.kb.data(), 1, Kp);
   // S is free once converted: decay it (the rest of the way) now, long before Kd^T Vn adds to it (see
   // Combine::load_c).
   for (int64_t kk = 0; kk < K; ++kk) scale_row(decay[kk], S + kk * Vp, S + kk * Vp, Vp);
   p.times_kept(0, n, w.W(), ldx, 1,
-               {.C = U, .ldc = ldx, .mode = Accumulate::subtract, .c_is_old = true});               // Y
-  if (split) p.times_kept_again(1, {.C = w.L.data(), .ldc = C, .c_lower = true, .negated = true});  // -L
+               {.C = U, .ldc = ldx, .mode = Accumulate::subtract, .c_is_old = true});  // Y
+  if (split && !scalar_gate)
+    p.times_kept_again(1, {.C = w.L.data(), .ldc = C, .c_lower = true, .negated = true});  // -L
   p.times_kept(0, n, w.Qe.data(), Kp, 1, {O, Vp});
   if (split) {
-    p.times_kept_again(1, {.C = w.P.data(), .ldc = C, .c_lower = true});
-    finish_split_triangles(w, n);
+    if (scalar_gate) {  // the raw products: bf16 inputs' q and k are converted exactly
+      p.times_kept(1, n, w.k.data(), Kp, 1, {.C = w.L.data(), .ldc = C, .c_lower = true});
+      p.times_kept(1, n, w.q.data(), Kp, 1, {.C = w.P.data(), .ldc = C, .c_lower = true});
+    } else {
+      p.times_kept_again(1, {.C = w.P.data(), .ldc = C, .c_lower = true});
+    }
+    finish_split_triangles(w, b, n, scale, scalar_gate);
   }
   clock.lap(split ? Phase::intra_matrices : Phase::state_products);
   if (split) {  // L came with the products just above
