@@ -227,17 +227,20 @@ inline void bf16_intra_per_key(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float 
 // half of S's decay over the chunk (S' = e^a (e^a S)), taken before S is converted. Kd = K e^{G_last-G}
 // = e^a (K e^{a-G}). One exponential per channel and token, no per-block rows, and each term still
 // carries only its operands' bf16 roundings, as in the per-block form: an anchor moves the factors'
-// exponents, not their relative precision.
+// exponents, not their relative precision. A per-head gate's decay is one number per row, so its L
+// and P stay the plain products K K^T and Q K^T (as in the per-block form: bf16 inputs' q and k
+// convert exactly), each element then multiplied by E_ij = e^{G_i - a} e^{a - G_j}
+// (finish_split_triangles); its state products take the anchored operands all the same.
 inline constexpr double kChunkSplitDecayLimit = 2 * kSplitDecayLimit;
 
 // Qe and W anchored (scale q e^{G-a}; beta k e^{G-a} in X's W columns, whose padding the caller
 // zeroes), Kd, decay_last, b.half = e^a, and b.kb = k e^{a-G} (KDA) or b.row_f, b.row_r (a per-head gate)
 // for rows [0, n) (kb zero up to padded(n)) when every channel decays by at most
 // kChunkSplitDecayLimit over the chunk; false otherwise (a NaN gate included), or when q or k is large
-// enough that a factor could take it past fp32's range (|scale q| or |k| above FLT_MAX e^{min a} / 16,
-// ~1e21 where a chunk decays by the full 80 e-folds: the factors reach e^40, where the per-block forms
-// keep q e^G and k e^{G_last-G} at most |q| and |k|). Whatever it wrote that the per-block
-// forms do not write again (the exponents in w.eG) nothing else in the forward reads. G is summed
+// enough that a factor could take it past fp32's range (|scale q| or max(1, |beta|) |k| above
+// FLT_MAX e^{min a} / 4, ~4e20 where a chunk decays by the full 80 e-folds, or NaN: the factors reach e^40,
+// where the per-block forms keep q e^G and k e^{G_last-G} at most |q| and |k|). Whatever it wrote that the
+// per-block forms do not write again (the exponents in w.eG) nothing else in the forward reads. G is summed
 // in double and rounded once to float, which moves a factor by a few parts in 1e6 at most, far below
 // the bf16 rounding of the operands.
 // The factors also scale values down by up to e^-40 (e^a S, q and k e^{G-a} or e^{a-G}), so elements
@@ -299,19 +302,26 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
         !(hn::GetLane(hn::MinOfLanes(dd, low)) >= -kChunkSplitDecayLimit))
       return false;
   }
-  // Every factor is at most e^{-a} (f <= e^{G_i - a} with G_i <= 0, 1 / f <= e^{a - G_last} = e^{-a}):
-  // the scaled q and k stay finite, with room for beta, while |scale q| and |k| are below
-  // FLT_MAX e^{min a} / 16. NaNs pass (either form carries them).
-  VF largest = hn::Zero(d), lowest_anchor = hn::Zero(d);
+  // Every factor is at most e^{-a} (f <= e^{G_i - a} with G_i <= 0, 1 / f <= e^{a - G_last} = e^{-a}),
+  // so the scaled operands (scale q f, beta k f, k / f) stay finite while |scale q| and
+  // max(1, |beta|) |k| are at most FLT_MAX e^{min a} / 4. Compared lane by lane, so that a NaN in q
+  // or k fails too (the per-block forms carry it).
+  VF lowest_anchor = hn::Zero(d);
   for (int64_t c = 0; c < Kp; c += L) lowest_anchor = hn::Min(lowest_anchor, hn::LoadU(d, anchor + c));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < Kp; c += L)
-      largest = hn::Max(largest, hn::Max(hn::Mul(hn::Set(d, std::fabs(scale)),
-                                                 hn::Abs(hn::LoadU(d, w.q.data() + i * Kp + c))),
-                                         hn::Abs(hn::LoadU(d, w.k.data() + i * Kp + c))));
-  const double room = std::numeric_limits<float>::max() / 16.0 *
-                      std::exp(static_cast<double>(hn::GetLane(hn::MinOfLanes(d, lowest_anchor))));
-  if (!(hn::GetLane(hn::MaxOfLanes(d, largest)) <= room)) return false;
+  const VF room = hn::Set(
+      d, static_cast<float>(std::numeric_limits<float>::max() / 4.0 *
+                            std::exp(static_cast<double>(hn::GetLane(hn::MinOfLanes(d, lowest_anchor))))));
+  const VF abs_scale = hn::Set(d, std::fabs(scale));
+  auto fits = hn::Le(hn::Zero(d), room);  // all true
+  for (int64_t i = 0; i < n; ++i) {
+    const VF k_weight = hn::Set(d, std::max(1.0f, std::fabs(w.beta[i])));
+    for (int64_t c = 0; c < Kp; c += L) {
+      const VF sq = hn::Mul(abs_scale, hn::Abs(hn::LoadU(d, w.q.data() + i * Kp + c)));
+      const VF bk = hn::Mul(k_weight, hn::Abs(hn::LoadU(d, w.k.data() + i * Kp + c)));
+      fits = hn::And(fits, hn::And(hn::Le(sq, room), hn::Le(bk, room)));
+    }
+  }
+  if (!hn::AllTrue(d, fits)) return false;
   for (int64_t c = 0; c < Kp; c += L) {
     const VF half = exp_nonpositive(d, hn::LoadU(d, anchor + c));  // e^a
     hn::StoreU(half, d, b.half.data() + c);
@@ -335,7 +345,7 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
         factor(hn::Sub(hn::LoadU(d, Gi + c), hn::LoadU(d, anchor + c)), f, r);
       const VF kc = hn::LoadU(d, k + c);
       const VF ki = hn::Mul(kc, r);
-      hn::StoreU(hn::Mul(vs, hn::Mul(hn::LoadU(d, q + c), f)), d, Qe + c);
+      hn::StoreU(hn::Mul(hn::Mul(vs, hn::LoadU(d, q + c)), f), d, Qe + c);  // scale q first: bounded
       hn::StoreU(hn::Mul(beta, hn::Mul(kc, f)), d, W + c);
       if (!scalar_gate) hn::StoreU(ki, d, Kinv + c);
       hn::StoreU(hn::Mul(ki, hn::LoadU(d, b.half.data() + c)), d, Kd + c);
@@ -360,16 +370,17 @@ inline void finish_split_triangles(ChunkWork& w, const Bf16ChunkWork& b, int64_t
     float* Li = Lm + i * C;
     float* Pi = Pm + i * C;
     const float fi = scalar_gate ? b.row_f[static_cast<size_t>(i)] : 1.0f;
-    const VF l_row = hn::Set(d, scalar_gate ? w.beta[i] * fi : -1.0f),
-             p_row = hn::Set(d, scalar_gate ? scale * fi : 1.0f);
+    const VF l_row = hn::Set(d, w.beta[i]), p_row = hn::Set(d, scale);
     for (int64_t c = 0; c < C; c += L) {
       const int64_t below = i - c;  // columns of this vector left of the diagonal
       const auto strict = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(below, 0, L)));
       const auto with_diagonal = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(below + 1, 0, L)));
-      VF lv = hn::Mul(l_row, hn::LoadU(d, Li + c)), pv = hn::Mul(p_row, hn::LoadU(d, Pi + c));
-      if (scalar_gate) {
-        const VF r = hn::LoadU(d, b.row_r.data() + c);
-        lv = hn::Mul(lv, r), pv = hn::Mul(pv, r);
+      VF lv = hn::LoadU(d, Li + c), pv = hn::LoadU(d, Pi + c);
+      if (scalar_gate) {  // E_ij = f_i r_j <= 1 on and below the diagonal, formed before it meets a sum
+        const VF E = hn::Mul(hn::Set(d, fi), hn::LoadU(d, b.row_r.data() + c));
+        lv = hn::Mul(lv, hn::Mul(l_row, E)), pv = hn::Mul(pv, hn::Mul(p_row, E));
+      } else {
+        lv = hn::Neg(lv);
       }
       hn::StoreU(hn::IfThenElseZero(strict, lv), d, Li + c);
       hn::StoreU(hn::IfThenElseZero(with_diagonal, pv), d, Pi + c);
