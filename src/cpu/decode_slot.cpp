@@ -443,20 +443,24 @@ void SlotStep(const core::Plan& plan, const DecodeInputs& in, const DecodeOutput
     }
     // An fp32 state's step requests the next one toward L2 or streams it, by CPU; bf16 ones do what
     // each layout measured best (slot_v_first, slot_k_first).
-    constexpr bool kFloat = std::is_same_v<Src, float>;
-    const bool to_l2 = kFloat && next_state_to_l2();
-    if (plan.v_first()) {
-      if (to_l2)
-        slot_v_first<kFloat>(from, to, plan.V, plan.K, t, plan.scale, w.scratch.data(), next);
-      else
-        slot_v_first<false>(from, to, plan.V, plan.K, t, plan.scale, w.scratch.data(), next);
-    } else {
-      if (to_l2 || !kFloat)
+    float* kept = w.scratch.data();
+    if constexpr (std::is_same_v<Src, float>) {
+      const bool to_l2 = next_state_to_l2();
+      if (plan.v_first() && to_l2)
+        slot_v_first<true>(from, to, plan.V, plan.K, t, plan.scale, kept, next);
+      else if (plan.v_first())
+        slot_v_first<false>(from, to, plan.V, plan.K, t, plan.scale, kept, next);
+      else if (to_l2)
         slot_k_first<true>(from, to, plan.K, plan.V, t, plan.scale, next);
       else
-        slot_k_first<!kFloat>(from, to, plan.K, plan.V, t, plan.scale, next);
-      if constexpr (kPairOrder<Src, Dst>) from_pair_order(t.o.data(), plan.V);
+        slot_k_first<false>(from, to, plan.K, plan.V, t, plan.scale, next);
+    } else if (plan.v_first()) {
+      slot_v_first<false>(from, to, plan.V, plan.K, t, plan.scale, kept, next);
+    } else {
+      slot_k_first<true>(from, to, plan.K, plan.V, t, plan.scale, next);
     }
+    if constexpr (kPairOrder<Src, Dst>)
+      if (!plan.v_first()) from_pair_order(t.o.data(), plan.V);
   });
   store_row(out.o, seq.batch_index, seq.first_token, hv, plan.V, t.o.data());
 }
