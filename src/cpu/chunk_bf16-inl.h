@@ -43,12 +43,13 @@ inline constexpr int64_t kBlocks = C / kSub;
 
 // The bf16 form's own memory, beside a ChunkWork (allocated at its first bf16 chunk).
 struct Bf16ChunkWork {
-  Buffer<float> F;      // [C][Kp]: F_i = exp(g_{s+1} + ... + g_i), s the first row of i's block
-  Buffer<float> H;      // [C][Kp]: H_i = exp(g_{i+1} + ... + g_end), end the last row of i's block
-  Buffer<float> gate0;  // [kBlocks][Kp]: exp(g_s), the first row's own factor, per block
-  Buffer<float> Z;      // [kBlocks][Kp]: exp(G_last - G_end) per block
-  Buffer<float> carry;  // [Kp]: exp(G_s - G_end') while walking back over earlier blocks, or the anchor a
-  Buffer<float> half;   // [Kp]: e^a = e^{G_last / 2}, the anchor of a chunk split at its middle
+  Buffer<float> F;       // [C][Kp]: F_i = exp(g_{s+1} + ... + g_i), s the first row of i's block
+  Buffer<float> H;       // [C][Kp]: H_i = exp(g_{i+1} + ... + g_end), end the last row of i's block
+  Buffer<float> gate0;   // [kBlocks][Kp]: exp(g_s), the first row's own factor, per block
+  Buffer<float> Z;       // [kBlocks][Kp]: exp(G_last - G_end) per block
+  Buffer<float> carry;   // [Kp]: exp(G_s - G_end') while walking back over earlier blocks
+  Buffer<float> anchor;  // [Kp]: a = G_last / 2, where a chunk splits at its middle (chunk_split_factors)
+  Buffer<float> half;    // [Kp]: e^a = e^{G_last / 2}, the anchor of a chunk split at its middle
   Buffer<float> row_f, row_r;  // [C]: a per-head gate's split factors e^{G_i - a} and e^{a - G_i}
   Buffer<float> kb;            // [C][Kp]: key-side rows of one sub-chunk's products, or of the whole chunk's
                                // when it is split at its middle: k_j e^{a - G_j} (chunk_split_factors)
@@ -58,7 +59,7 @@ struct Bf16ChunkWork {
   Bf16ChunkWork(int64_t Kp, int64_t Vp) {
     Y_low.reset(C * Vp);
     F.reset(C * Kp), H.reset(C * Kp), gate0.reset(kBlocks * Kp), Z.reset(kBlocks * Kp), carry.reset(Kp),
-        half.reset(Kp), row_f.reset(C), row_r.reset(C);
+        anchor.reset(Kp), half.reset(Kp), row_f.reset(C), row_r.reset(C);
     kb.reset(C * Kp), qk.reset(2 * kSub * Kp), T.reset(C * C);
   }
 };
@@ -250,8 +251,8 @@ inline bool chunk_split_factors(ChunkWork& w, Bf16ChunkWork& b, int64_t n, float
   const int64_t Kp = w.Kp;
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  float* G = w.eG.data();          // [C][Kp]: here the exponents G_i, not their exponentials
-  float* anchor = b.carry.data();  // [Kp]: a = G_last / 2
+  float* G = w.eG.data();  // [C][Kp]: here the exponents G_i, not their exponentials
+  float* anchor = b.anchor.data();
   // f = e^{G_i - a} (within e^{+-40}) and 1 / f by a refined reciprocal (within an ulp or two: the
   // operands it scales are rounded to bf16).
   const VF two = hn::Set(d, 2.0f);
