@@ -105,7 +105,8 @@ void forward_group(const core::Plan& plan, const ForwardInputs& in, const Forwar
 
 void ChunkForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                   Precision precision, Runner& run) {
-  const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
+  const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V),
+                                       kTuning.forward_item_bytes);
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t items = plan.num_sequences() * groups;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads, precision);

@@ -25,7 +25,8 @@ namespace kda::cpu::HWY_NAMESPACE {
 // those of the unshared run, and the only extra work is each item gathering the rows it reads.
 void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                       Runner& run) {
-  const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V));
+  const int64_t heads = heads_per_item(plan, run.threads(), ForwardWork::bytes_per_head(plan.K, plan.V),
+                                       kTuning.recurrent_item_bytes);
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t pairs = plan.num_sequences() * groups;
   const int64_t W = block_width(), blocks = (padded(plan.V) + W - 1) / W;

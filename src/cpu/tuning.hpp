@@ -128,12 +128,19 @@ struct Tuning {
 
   // ---- work items of the forwards (cpu/workspace.hpp's heads_per_item) ----
 
-  // Value heads per forward work item, at most this many and about forward_item_bytes of per-thread
+  // Value heads per forward work item, at most this many and about an item budget of per-thread
   // memory, halved while there would be fewer than two items per thread: a token's rows of adjacent
   // heads are adjacent in memory, so a group of heads reads them as one run, at a lower memory cost
   // than head by head. No result changes.
   int64_t forward_heads_per_item = 8;
+  // The chunked forward's budget: its bf16 products ran 1.07-1.17x faster with 8 heads than with 2
+  // (T = 2048 and 8192, H = 32, Zen 5).
   int64_t forward_item_bytes = int64_t{4} << 20;
+  // The recurrent forward's budget, about one L2: its sweep returns to a head's state and rows at
+  // every column block, and the group's ~0.35 MiB per head (K = V = 128) must stay in L2 beside
+  // them. 2 heads instead of 8 ran 1.10-1.16x faster at T = 512 to 2048 and the same at T = 8192,
+  // where the inputs come from memory (Zen 5, 1 MiB L2; docs/performance.md, 2026-12-07 midday).
+  int64_t recurrent_item_bytes = int64_t{1} << 20;
 
   // ---- column shares of the backwards (cpu/column_shares-inl.h) ----
   // When (sequence, head) items are fewer than the threads, a backward splits each item's value
@@ -184,7 +191,7 @@ constexpr TuningRow tuning_row(const char* name, ByVendor v) {
 
 // Every entry of kTuning, in its order, named as in the struct.
 #define KDA_TUNING_ROW(entry) tuning_row(#entry, kTuning.entry)
-inline constexpr std::array<TuningRow, 24> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
+inline constexpr std::array<TuningRow, 25> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
                                                           KDA_TUNING_ROW(decode_tokens),
                                                           KDA_TUNING_ROW(decode_slot_steps),
                                                           KDA_TUNING_ROW(decode_bytes_per_worker),
@@ -203,6 +210,7 @@ inline constexpr std::array<TuningRow, 24> kTuningRows = {KDA_TUNING_ROW(prefill
                                                           KDA_TUNING_ROW(helper_poll_us),
                                                           KDA_TUNING_ROW(forward_heads_per_item),
                                                           KDA_TUNING_ROW(forward_item_bytes),
+                                                          KDA_TUNING_ROW(recurrent_item_bytes),
                                                           KDA_TUNING_ROW(chunk_backward_share_tokens),
                                                           KDA_TUNING_ROW(chunk_backward_share_columns),
                                                           KDA_TUNING_ROW(recurrent_backward_share_tokens),

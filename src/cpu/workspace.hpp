@@ -78,11 +78,11 @@ class Buffer {
 
 // Value heads per work item of a forward: a group of adjacent heads reads each token's rows as one
 // run, where one head alone reads rows a whole [H, K] row apart. The group is at most
-// forward_heads_per_item heads and forward_item_bytes of per-thread memory (head_bytes per head;
-// tuning.hpp), and is halved while there would be fewer than two items per thread. Heads are
-// computed independently, so the grouping changes no result.
-inline int64_t heads_per_item(const core::Plan& plan, int threads, int64_t head_bytes) {
-  int64_t heads = std::clamp<int64_t>(kTuning.forward_item_bytes / head_bytes, 1,
+// forward_heads_per_item heads and item_bytes of per-thread memory (head_bytes per head; tuning.hpp
+// has each forward's budget), and is halved while there would be fewer than two items per thread.
+// Heads are computed independently, so the grouping changes no result.
+inline int64_t heads_per_item(const core::Plan& plan, int threads, int64_t head_bytes, int64_t item_bytes) {
+  int64_t heads = std::clamp<int64_t>(item_bytes / head_bytes, 1,
                                       std::min<int64_t>(kTuning.forward_heads_per_item, plan.HV));
   const auto items = [&](int64_t g) { return plan.num_sequences() * ((plan.HV + g - 1) / g); };
   while (heads > 1 && items(heads) < 2 * static_cast<int64_t>(threads)) heads = (heads + 1) / 2;
