@@ -1,6 +1,7 @@
 // The bf16 product units (src/cpu/bf16_units.hpp): the rounding rule, the packed layouts (read by the
 // plain C++ reference on every CPU), and each native unit this CPU runs (AMX, AVX512-BF16) against that
-// reference, rows past M untouched. A CPU without a unit skips only that unit's test.
+// reference, rows past M untouched, and AMX's kernel over the model of its tiles on every CPU. A CPU
+// without a unit skips only that unit's test.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,9 +42,10 @@ TEST(Bf16Units, PortableIsAlwaysAvailableAndLast) {
   const std::vector<ProductUnit> units = cpu::available_product_units();
   ASSERT_FALSE(units.empty());
   EXPECT_EQ(units.back(), ProductUnit::portable);
-  bool found = false;
-  for (ProductUnit u : units) found |= u == cpu::product_unit();
-  EXPECT_TRUE(found) << cpu::product_unit_name(cpu::product_unit());
+  // The model runs everywhere but is never among the units to choose from.
+  EXPECT_EQ(std::find(units.begin(), units.end(), ProductUnit::amx_model), units.end());
+  EXPECT_TRUE(cpu::product_unit_runs(ProductUnit::amx_model));
+  EXPECT_TRUE(cpu::product_unit_runs(cpu::product_unit())) << cpu::product_unit_name(cpu::product_unit());
 }
 
 // Normal draws and, among them, values the rounding treats apart (ties both ways, subnormals, and with
@@ -78,9 +80,8 @@ TEST(Bf16Units, PackedLayoutsHoldEveryElementAndZeroPadding) {
 class NativeUnit : public ::testing::TestWithParam<ProductUnit> {
  protected:
   void SetUp() override {
-    for (ProductUnit u : cpu::available_product_units())
-      if (u == GetParam()) return;
-    GTEST_SKIP() << "this CPU (or its kernel) does not run " << cpu::product_unit_name(GetParam());
+    if (!cpu::product_unit_runs(GetParam()))
+      GTEST_SKIP() << "this CPU (or its kernel) does not run " << cpu::product_unit_name(GetParam());
   }
 };
 
@@ -278,7 +279,11 @@ TEST_P(NativeUnit, LowerResultsSkipOnlyTheUpperTriangle) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Units, NativeUnit, ::testing::Values(ProductUnit::amx, ProductUnit::avx512_bf16),
+// amx_model, AMX's kernel over a model of its tiles, runs on every CPU: AMX's blocking is tested here
+// even where the instructions are not.
+INSTANTIATE_TEST_SUITE_P(Units, NativeUnit,
+                         ::testing::Values(ProductUnit::amx, ProductUnit::amx_model,
+                                           ProductUnit::avx512_bf16),
                          [](const auto& info) { return std::string(cpu::product_unit_name(info.param)); });
 
 }  // namespace

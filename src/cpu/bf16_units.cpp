@@ -85,6 +85,7 @@ const char* product_unit_name(ProductUnit unit) {
     case ProductUnit::portable: return "portable";
     case ProductUnit::avx512_bf16: return "avx512_bf16";
     case ProductUnit::amx: return "amx";
+    case ProductUnit::amx_model: return "amx_model";
   }
   return "unknown";
 }
@@ -94,17 +95,25 @@ std::vector<ProductUnit> available_product_units() {
   return units;
 }
 
+bool product_unit_runs(ProductUnit unit) {
+  if (unit == ProductUnit::amx_model) return true;
+  const std::vector<ProductUnit>& units = available_product_units();
+  return std::find(units.begin(), units.end(), unit) != units.end();
+}
+
 ProductUnit product_unit() {
   // Read once, like KDA_CPU_TARGET: a process keeps one unit, so its results do not change mid-run.
   static const ProductUnit chosen = [] {
     const std::vector<ProductUnit> units = available_product_units();
     const char* env = std::getenv("KDA_BF16_UNIT");
     if (env == nullptr || *env == '\0') return units.front();
+    if (lower(env) == product_unit_name(ProductUnit::amx_model)) return ProductUnit::amx_model;
     std::string names;
     for (ProductUnit u : units) {
       if (lower(env) == product_unit_name(u)) return u;
       names += std::string(names.empty() ? "" : ", ") + product_unit_name(u);
     }
+    names += std::string(", and ") + product_unit_name(ProductUnit::amx_model) + " (a model, for tests)";
     // Not cached as a choice: every call reports it again (a static initialiser that throws reruns).
     throw Error(std::string("kda: KDA_BF16_UNIT '") + env + "' is not a bf16 product unit this CPU runs; " +
                 "available: " + names);
@@ -269,14 +278,15 @@ KDA_AVX512BF16_FN void pack_b_avx512(int64_t K, int64_t N, const float* src, int
 }
 #endif
 
-bool native(ProductUnit unit) { return unit != ProductUnit::portable; }
+// Whether `unit` packs with AVX-512's instructions (the CPU has them when it runs the unit).
+bool packs_natively(ProductUnit unit) { return unit == ProductUnit::avx512_bf16 || unit == ProductUnit::amx; }
 
 }  // namespace
 
 void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool negate, uint16_t* dst,
             ProductUnit unit) {
 #if KDA_X86_UNITS
-  if (native(unit)) return pack_a_avx512(M, K, src, rs, cs, negate, dst);
+  if (packs_natively(unit)) return pack_a_avx512(M, K, src, rs, cs, negate, dst);
 #endif
   (void)unit;
   pack_a_portable(M, K, src, rs, cs, negate, dst);
@@ -284,7 +294,7 @@ void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool
 
 void pack_b(int64_t K, int64_t N, const float* src, int64_t rs, int64_t cs, uint16_t* dst, ProductUnit unit) {
 #if KDA_X86_UNITS
-  if (native(unit)) return pack_b_avx512(K, N, src, rs, cs, dst);
+  if (packs_natively(unit)) return pack_b_avx512(K, N, src, rs, cs, dst);
 #endif
   (void)unit;
   pack_b_portable(K, N, src, rs, cs, dst);
@@ -387,11 +397,7 @@ KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16
   }
 }
 
-// AMX: tiles 0-3 hold a 2 x 2 block of 16 x 16 fp32 results, 4-5 two 16-row slices of A (16 rows x 32
-// bf16), 6-7 two 16-column slices of B (16 pair-rows x 16 pairs); each TDPBF16PS is 16 x 16 x 32
-// products. The result tiles start from zero and reach C through vector code (or, with load_c, from a
-// C written long before): a tile load of C right after the vector stores that wrote it waits for
-// those stores to drain, far longer than the arithmetic (docs/performance.md, 2026-12-06, later).
+// AMX's tile configuration: palette 1, every tile 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -399,50 +405,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// One block of 1 or 2 row tiles x 1 or 2 column tiles over the whole depth; tile 2i + j goes to
-// stage[2i + j], or, with `direct`, straight to its place in C (rows i, columns j of the block).
-// With `load`, the result tiles start from C's block (at `direct`) instead of zero.
-template <int RT, int CT>
-KDA_AMX_FN void amx_block(int64_t depth, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                          float (*stage)[256], float* const* direct, int64_t ldc, bool load) {
-  if (load) {
-    _tile_loadd(0, direct[0], ldc * 4);
-    if constexpr (CT == 2) _tile_loadd(1, direct[0] + 16, ldc * 4);
-    if constexpr (RT == 2) _tile_loadd(2, direct[1], ldc * 4);
-    if constexpr (RT == 2 && CT == 2) _tile_loadd(3, direct[1] + 16, ldc * 4);
-  } else {
-    _tile_zero(0);
-    if constexpr (CT == 2) _tile_zero(1);
-    if constexpr (RT == 2) _tile_zero(2);
-    if constexpr (RT == 2 && CT == 2) _tile_zero(3);
-  }
-  for (int64_t k = 0; k < depth; k += 32) {
-    _tile_loadd(4, A + k, lda * 2);
-    _tile_loadd(6, B + k / 2 * ldb, ldb * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (CT == 2) {
-      _tile_loadd(7, B + k / 2 * ldb + 32, ldb * 2);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (RT == 2) {
-      _tile_loadd(5, A + 16 * lda + k, lda * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (CT == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  if (direct != nullptr) {
-    _tile_stored(0, direct[0], ldc * 4);
-    if constexpr (CT == 2) _tile_stored(1, direct[0] + 16, ldc * 4);
-    if constexpr (RT == 2) _tile_stored(2, direct[1], ldc * 4);
-    if constexpr (RT == 2 && CT == 2) _tile_stored(3, direct[1] + 16, ldc * 4);
-    return;
-  }
-  _tile_stored(0, stage[0], 64);
-  if constexpr (CT == 2) _tile_stored(1, stage[1], 64);
-  if constexpr (RT == 2) _tile_stored(2, stage[2], 64);
-  if constexpr (RT == 2 && CT == 2) _tile_stored(3, stage[3], 64);
-}
 
 // Whether this thread's tiles hold our configuration (an AmxSession is open on it).
 thread_local bool tl_configured = false;
@@ -460,56 +422,130 @@ KDA_AMX_FN void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
 KDA_AMX_FN void release_tiles() { _tile_release(); }
 
-KDA_AMX_FN void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C,
-                         int64_t ldc, const Combine& combine) {
-  const int64_t depth = packed_depth(K), lda = depth, ldb = 2 * packed_cols(N);
+// AMX's kernel (amx_kernel-inl.h) over the tile instructions. Their intrinsics are macros that paste
+// the tile's number into the instruction, so each number is spelled out.
+namespace amx_native {
+
+struct Tiles {
+  bool own = false;
   // The configuration is per thread and anything else on this thread (oneDNN under torch) may have
   // loaded its own: outside a ProductSession, load ours for this product and release the tiles after.
-  const bool own = !tl_configured;
-  if (own) configure_tiles();
-  alignas(64) float stage[4][256];
-  for (int64_t m = 0; m < M; m += 32) {
-    const int rt = M - m > 16 ? 2 : 1;
-    // A lower triangular A's rows [m, m + 16 rt) end at depth m + 16 rt (Combine::a_lower).
-    const int64_t block_depth = combine.a_lower ? std::min(depth, packed_depth(m + 16 * rt)) : depth;
-    // A lower C (Combine::c_lower) needs the columns up to the block's last row, m + 16 rt - 1.
-    const int64_t columns = combine.c_lower ? std::min(N, m + 16 * rt) : N;
-    for (int64_t n = 0; n < columns; n += 32) {
-      const int ct = columns - n > 16 ? 2 : 1;
-      const uint16_t* Am = A + m * lda;
-      const uint16_t* Bn = B + 2 * n;
-      // Whole tiles that overwrite C are stored in place; the rest pass through the stage.
-      float* rows[2] = {combine.row(C, ldc, m) + n, rt == 2 ? combine.row(C, ldc, m + 16) + n : nullptr};
-      // Whole tiles that overwrite C are stored in place, and so are those that add to a C its caller
-      // wrote long enough ago (load_c: a tile load right after vector stores to the same lines waits
-      // for them to drain); the rest pass through the stage.
-      const bool whole = M - m >= 16 * rt;
-      const bool load = whole && combine.accumulate && combine.load_c;
-      float* const* direct = whole && (!combine.accumulate || load) ? rows : nullptr;
-      if (rt == 2 && ct == 2)
-        amx_block<2, 2>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
-      else if (rt == 2)
-        amx_block<2, 1>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
-      else if (ct == 2)
-        amx_block<1, 2>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
-      else
-        amx_block<1, 1>(block_depth, Am, lda, Bn, ldb, stage, direct, ldc, load);
-      if (direct != nullptr) continue;
-      // Tile 2i + j holds rows m + 16i.., columns n + 16j..; rows past M go nowhere.
-      for (int i = 0; i < rt; ++i)
-        for (int64_t r = 0; r < std::min<int64_t>(16, M - m - 16 * i); ++r) {
-          const int64_t row = m + 16 * i + r;
-          for (int j = 0; j < ct; ++j)
-            combine_row(combine.row(C, ldc, row) + n + 16 * j, _mm512_load_ps(stage[2 * i + j] + 16 * r),
-                        combine);
-        }
-    }
+  KDA_AMX_FN void begin() {
+    own = !tl_configured;
+    if (own) configure_tiles();
   }
-  if (own) release_tiles();
-}
+  KDA_AMX_FN void end() {
+    if (own) release_tiles();
+  }
+  template <int T>
+  KDA_AMX_FN void zero() {
+    static_assert(T >= 0 && T < 4, "result tiles are 0-3");
+    if constexpr (T == 0) _tile_zero(0);
+    if constexpr (T == 1) _tile_zero(1);
+    if constexpr (T == 2) _tile_zero(2);
+    if constexpr (T == 3) _tile_zero(3);
+  }
+  template <int T>
+  KDA_AMX_FN void load(const void* src, int64_t stride) {
+    static_assert(T >= 0 && T < 8, "tiles are 0-7");
+    if constexpr (T == 0) _tile_loadd(0, src, stride);
+    if constexpr (T == 1) _tile_loadd(1, src, stride);
+    if constexpr (T == 2) _tile_loadd(2, src, stride);
+    if constexpr (T == 3) _tile_loadd(3, src, stride);
+    if constexpr (T == 4) _tile_loadd(4, src, stride);
+    if constexpr (T == 5) _tile_loadd(5, src, stride);
+    if constexpr (T == 6) _tile_loadd(6, src, stride);
+    if constexpr (T == 7) _tile_loadd(7, src, stride);
+  }
+  template <int T>
+  KDA_AMX_FN void store(void* dst, int64_t stride) {
+    static_assert(T >= 0 && T < 4, "result tiles are 0-3");
+    if constexpr (T == 0) _tile_stored(0, dst, stride);
+    if constexpr (T == 1) _tile_stored(1, dst, stride);
+    if constexpr (T == 2) _tile_stored(2, dst, stride);
+    if constexpr (T == 3) _tile_stored(3, dst, stride);
+  }
+  // The kernel's four products: result tile 2i + j from A slice 4 + i and B slice 6 + j.
+  template <int C, int A, int B>
+  KDA_AMX_FN void dpbf16ps() {
+    static_assert(C >= 0 && C < 4 && A == 4 + C / 2 && B == 6 + C % 2, "the kernel's tile pairs");
+    if constexpr (C == 0) _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C == 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (C == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (C == 3) _tile_dpbf16ps(3, 5, 7);
+  }
+  KDA_AMX_FN void combine_row(float* c, const float* row, const Combine& combine) {
+    cpu::combine_row(c, _mm512_load_ps(row), combine);
+  }
+};
+
+#define KDA_TILE_FN KDA_AMX_FN
+#include "cpu/amx_kernel-inl.h"
+#undef KDA_TILE_FN
+
+}  // namespace amx_native
 
 }  // namespace
 #endif
+
+// ---- AMX's kernel over a model of its tiles -------------------------------------------------------
+
+namespace {
+
+// The amx unit's kernel over this plain C++ model of the tiles it uses (the amx_model unit): AMX's
+// blocking, run and tested on any CPU. The model holds the eight tiles as tile_config() shapes them
+// (16 rows of 64 bytes) and does what the four instructions do: TDPBF16PS adds, for each result
+// element, the two products of each pair in turn, in fp32 (a product of two bf16 values is exact).
+// The hardware also treats bf16 subnormals as zero; the packing never makes one.
+namespace amx_model {
+
+struct Tiles {
+  alignas(64) unsigned char tile[8][16][64];
+
+  void begin() {}
+  void end() {}
+  template <int T>
+  void zero() {
+    std::memset(tile[T], 0, sizeof tile[T]);
+  }
+  template <int T>
+  void load(const void* src, int64_t stride) {
+    for (int r = 0; r < 16; ++r) std::memcpy(tile[T][r], static_cast<const char*>(src) + r * stride, 64);
+  }
+  template <int T>
+  void store(void* dst, int64_t stride) {
+    for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(dst) + r * stride, tile[T][r], 64);
+  }
+  template <int C, int A, int B>
+  void dpbf16ps() {
+    for (int m = 0; m < 16; ++m) {
+      float c[16];
+      uint16_t a[32];
+      std::memcpy(c, tile[C][m], sizeof c);
+      std::memcpy(a, tile[A][m], sizeof a);
+      for (int k = 0; k < 16; ++k) {
+        uint16_t b[32];  // pair-row k: (B(2k, n), B(2k + 1, n)) for 16 columns n
+        std::memcpy(b, tile[B][k], sizeof b);
+        const float a0 = bf16_value(a[2 * k]), a1 = bf16_value(a[2 * k + 1]);
+        for (int n = 0; n < 16; ++n) {
+          c[n] += a0 * bf16_value(b[2 * n]);
+          c[n] += a1 * bf16_value(b[2 * n + 1]);
+        }
+      }
+      std::memcpy(tile[C][m], c, sizeof c);
+    }
+  }
+  void combine_row(float* c, const float* row, const Combine& combine) {
+    for (int n = 0; n < 16; ++n) c[n] = combine.accumulate ? c[n] + row[n] : row[n];
+  }
+};
+
+#define KDA_TILE_FN
+#include "cpu/amx_kernel-inl.h"
+#undef KDA_TILE_FN
+
+}  // namespace amx_model
+}  // namespace
 
 ProductSession::ProductSession(ProductUnit unit) {
 #if KDA_X86_UNITS
@@ -536,11 +572,13 @@ void native_gemm(ProductUnit unit, int64_t M, int64_t N, int64_t K, const uint16
   if (N % 16 != 0) throw Error("kda: internal: a bf16 product's N must be a multiple of 16");
   if (combine.second != nullptr && combine.second_from % 16 != 0)
     throw Error("kda: internal: a bf16 product's second destination must start at a multiple of 16 rows");
+  if (unit == ProductUnit::amx_model) return amx_model::amx_gemm(M, N, K, A, B, C, ldc, combine);
 #if KDA_X86_UNITS
   switch (unit) {
-    case ProductUnit::amx: return amx_gemm(M, N, K, A, B, C, ldc, combine);
+    case ProductUnit::amx: return amx_native::amx_gemm(M, N, K, A, B, C, ldc, combine);
     case ProductUnit::avx512_bf16: return avx512_gemm(M, N, K, A, B, C, ldc, combine);
-    case ProductUnit::portable: break;
+    case ProductUnit::portable:
+    case ProductUnit::amx_model: break;
   }
 #endif
   throw Error(std::string("kda: internal: no native bf16 unit '") + product_unit_name(unit) + "' here");
