@@ -276,10 +276,10 @@ KDA_AVX512BF16_FN void pack_b_avx512(int64_t K, int64_t N, const float* src, int
   }
   pack_b_portable(K, N, src, rs, cs, dst);
 }
-#endif
 
 // Whether `unit` packs with AVX-512's instructions (the CPU has them when it runs the unit).
 bool packs_natively(ProductUnit unit) { return unit == ProductUnit::avx512_bf16 || unit == ProductUnit::amx; }
+#endif
 
 }  // namespace
 
