@@ -1,6 +1,6 @@
 // AMX's product kernel, included twice by bf16_units.cpp, each time inside a namespace of its own:
-// once over the tile instructions (the amx unit) and once over TileModel, a plain C++ model of them
-// (the amx_model unit). So the kernel's blocking, its skips (Combine::a_lower, c_lower), its stage,
+// once over the tile instructions (the amx unit) and once over a plain C++ model of them (the
+// amx_model unit). So the kernel's blocking, its skips (Combine::a_lower, c_lower), its stage,
 // its direct tile stores and its tile loads of C run and are tested on every CPU, and the sanitizers
 // check its reads and writes, which they cannot see inside tile instructions. The includer defines
 // KDA_TILE_FN (the functions' attributes) and, in its namespace, a type Tiles:

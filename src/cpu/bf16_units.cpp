@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 
 #include "cpu/vendor.hpp"
@@ -494,9 +496,10 @@ namespace {
 
 // The amx unit's kernel over this plain C++ model of the tiles it uses (the amx_model unit): AMX's
 // blocking, run and tested on any CPU. The model holds the eight tiles as tile_config() shapes them
-// (16 rows of 64 bytes) and does what the four instructions do: TDPBF16PS adds, for each result
-// element, the two products of each pair in turn, in fp32 (a product of two bf16 values is exact).
-// The hardware also treats bf16 subnormals as zero; the packing never makes one.
+// (16 rows of 64 bytes) and does what the four instructions do. TDPBF16PS adds, for each result
+// element, the two products of each pair in turn, in fp32 (a product of two bf16 values is exact),
+// with subnormal inputs read as zero and subnormal results flushed to zero, as the instruction does
+// whatever MXCSR says. The packing makes no subnormal bf16, but C loaded into a tile may hold one.
 namespace amx_model {
 
 struct Tiles {
@@ -516,6 +519,11 @@ struct Tiles {
   void store(void* dst, int64_t stride) {
     for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(dst) + r * stride, tile[T][r], 64);
   }
+  // x, or a zero of its sign where it is subnormal.
+  static float flushed(float x) {
+    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+  }
+  static float bf16_read(uint16_t bits) { return flushed(bf16_value(bits)); }
   template <int C, int A, int B>
   void dpbf16ps() {
     for (int m = 0; m < 16; ++m) {
@@ -523,13 +531,14 @@ struct Tiles {
       uint16_t a[32];
       std::memcpy(c, tile[C][m], sizeof c);
       std::memcpy(a, tile[A][m], sizeof a);
+      for (float& x : c) x = flushed(x);
       for (int k = 0; k < 16; ++k) {
         uint16_t b[32];  // pair-row k: (B(2k, n), B(2k + 1, n)) for 16 columns n
         std::memcpy(b, tile[B][k], sizeof b);
-        const float a0 = bf16_value(a[2 * k]), a1 = bf16_value(a[2 * k + 1]);
+        const float a0 = bf16_read(a[2 * k]), a1 = bf16_read(a[2 * k + 1]);
         for (int n = 0; n < 16; ++n) {
-          c[n] += a0 * bf16_value(b[2 * n]);
-          c[n] += a1 * bf16_value(b[2 * n + 1]);
+          c[n] = flushed(c[n] + a0 * bf16_read(b[2 * n]));
+          c[n] = flushed(c[n] + a1 * bf16_read(b[2 * n + 1]));
         }
       }
       std::memcpy(tile[C][m], c, sizeof c);
