@@ -133,13 +133,13 @@ struct Tuning {
   // heads are adjacent in memory, so a group of heads reads them as one run, at a lower memory cost
   // than head by head. No result changes.
   int64_t forward_heads_per_item = 8;
-  // The chunked forward's budget: its bf16 products ran 1.07-1.17x faster with 8 heads than with 2
-  // (T = 2048 and 8192, H = 32, Zen 5).
+  // The chunked forward's budget: its bf16 products ran faster with 8 heads an item than with 2 or
+  // 4. No result changes.
   int64_t forward_item_bytes = int64_t{4} << 20;
-  // The recurrent forward's budget, about one L2: its sweep returns to a head's state and rows at
-  // every column block, and the group's ~0.35 MiB per head (K = V = 128) must stay in L2 beside
-  // them. 2 heads instead of 8 ran 1.10-1.16x faster at T = 512 to 2048 and the same at T = 8192,
-  // where the inputs come from memory (Zen 5, 1 MiB L2; docs/performance.md, 2026-12-07 midday).
+  // The recurrent forward's budget, the 1 MiB L2 of the Zen 5 it was measured on (2 heads at
+  // K = V = 128): its sweep returns to a head's state and rows at every column block, which 8 heads'
+  // ~2.8 MiB pushed out of L2 between visits. The CPUs with 512 KiB (Zen 3) and 2 MiB (the Xeon) of
+  // L2 were not measured. No result changes.
   int64_t recurrent_item_bytes = int64_t{1} << 20;
 
   // ---- column shares of the backwards (cpu/column_shares-inl.h) ----
