@@ -101,15 +101,18 @@ TEST(Bf16Option, TheUnitIsOneThisCpuRuns) {
   const std::vector<std::string> units = bf16_product_units();
   ASSERT_FALSE(units.empty());
   EXPECT_EQ(units.back(), "portable");
-  // amx_model, AMX's kernel over a model of its tiles, runs only where KDA_BF16_UNIT names it.
+  // The models (a native kernel over a model of its instructions) run only where KDA_BF16_UNIT names
+  // them.
   const std::string unit = bf16_product_unit();
+  const bool model = unit == "amx_model" || unit == "avx512_bf16_model";
   EXPECT_EQ(std::find(units.begin(), units.end(), "amx_model"), units.end());
-  if (unit == "amx_model") {
+  EXPECT_EQ(std::find(units.begin(), units.end(), "avx512_bf16_model"), units.end());
+  if (model) {
     const char* env = std::getenv("KDA_BF16_UNIT");
     ASSERT_NE(env, nullptr);
     std::string named = env;
     for (char& c : named) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    EXPECT_EQ(named, "amx_model");  // the variable is read case-insensitively
+    EXPECT_EQ(named, unit);  // the variable is read case-insensitively
   } else {
     EXPECT_NE(std::find(units.begin(), units.end(), unit), units.end());
   }

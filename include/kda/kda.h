@@ -308,8 +308,9 @@ KDA_API const char* kda_status_string(kda_status status);
 
 /* (0.4) The unit KDA_PRECISION_BF16's products run on: "amx", "avx512_bf16" or "portable" (fp32
  * products of bf16-rounded operands), the best this CPU and its kernel allow, or the one the
- * environment variable KDA_BF16_UNIT names ("amx_model" too: AMX's kernel over a C++ model of its
- * tiles, on any CPU, for tests); NULL (see kda_last_error) when that names one this CPU lacks. */
+ * environment variable KDA_BF16_UNIT names ("amx_model" and "avx512_bf16_model" too: a native
+ * kernel over a C++ model of its instructions, on any CPU, for tests); NULL (see kda_last_error) when
+ * that names one this CPU lacks. */
 KDA_API const char* kda_bf16_product_unit(void);
 
 /* (after 0.4.0) The name of backend `index` of this library, in the order a call that names none tries

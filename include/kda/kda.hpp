@@ -330,10 +330,10 @@ std::vector<std::string> backends();
 // The unit Precision::bf16's products run on: "amx", "avx512_bf16" or "portable" (fp32 products of
 // bf16-rounded operands), the best this CPU and its kernel allow or the one the environment variable
 // KDA_BF16_UNIT names (read once; one this CPU lacks makes this and every bf16 call throw kda::Error).
-// KDA_BF16_UNIT=amx_model gives "amx_model": AMX's kernel over a plain C++ model of its tiles, on any
-// CPU and slowly, for tests; it is never chosen otherwise.
+// KDA_BF16_UNIT=amx_model (avx512_bf16_model) gives that name: AMX's (AVX512-BF16's) kernel over a
+// plain C++ model of its instructions, on any CPU and slowly, for tests; never chosen otherwise.
 const char* bf16_product_unit();
-// The units to choose from on this CPU, best first (amx_model, for tests, is not among them).
+// The units to choose from on this CPU, best first (the models, for tests, are not among them).
 std::vector<std::string> bf16_product_units();
 
 // The SIMD target the CPU kernels run on this machine, picked at run time (e.g. "AVX3" for AVX-512,

@@ -607,8 +607,8 @@ NB_MODULE(_engine, m) {
   m.def("simd_targets", &kda::simd_targets, "The SIMD targets of this build that this CPU runs, best first.");
   m.def("bf16_product_unit", &kda::bf16_product_unit,
         "The unit chunk_forward's precision='bf16' products run on: 'amx', 'avx512_bf16' or 'portable' "
-        "(KDA_BF16_UNIT, read once, may pin one; 'amx_model', AMX's kernel over a C++ model of its tiles, "
-        "is for tests).");
+        "(KDA_BF16_UNIT, read once, may pin one; 'amx_model' and 'avx512_bf16_model', a native kernel over "
+        "a C++ model of its instructions, are for tests).");
   m.def("bf16_product_units", &kda::bf16_product_units,
         "The bf16 product units to choose from on this CPU, best first.");
   m.def("validation_count", &kda::validation_count,

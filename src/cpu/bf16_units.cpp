@@ -88,6 +88,7 @@ const char* product_unit_name(ProductUnit unit) {
     case ProductUnit::avx512_bf16: return "avx512_bf16";
     case ProductUnit::amx: return "amx";
     case ProductUnit::amx_model: return "amx_model";
+    case ProductUnit::avx512_bf16_model: return "avx512_bf16_model";
   }
   return "unknown";
 }
@@ -98,7 +99,7 @@ std::vector<ProductUnit> available_product_units() {
 }
 
 bool product_unit_runs(ProductUnit unit) {
-  if (unit == ProductUnit::amx_model) return true;
+  if (unit == ProductUnit::amx_model || unit == ProductUnit::avx512_bf16_model) return true;
   const std::vector<ProductUnit>& units = available_product_units();
   return std::find(units.begin(), units.end(), unit) != units.end();
 }
@@ -109,13 +110,15 @@ ProductUnit product_unit() {
     const std::vector<ProductUnit> units = available_product_units();
     const char* env = std::getenv("KDA_BF16_UNIT");
     if (env == nullptr || *env == '\0') return units.front();
-    if (lower(env) == product_unit_name(ProductUnit::amx_model)) return ProductUnit::amx_model;
+    for (ProductUnit model : {ProductUnit::amx_model, ProductUnit::avx512_bf16_model})
+      if (lower(env) == product_unit_name(model)) return model;
     std::string names;
     for (ProductUnit u : units) {
       if (lower(env) == product_unit_name(u)) return u;
       names += std::string(names.empty() ? "" : ", ") + product_unit_name(u);
     }
-    names += std::string(", and ") + product_unit_name(ProductUnit::amx_model) + " (a model, for tests)";
+    names += std::string("; and for tests, on any CPU: ") + product_unit_name(ProductUnit::amx_model) + ", " +
+             product_unit_name(ProductUnit::avx512_bf16_model);
     // Not cached as a choice: every call reports it again (a static initialiser that throws reruns).
     throw Error(std::string("kda: KDA_BF16_UNIT '") + env + "' is not a bf16 product unit this CPU runs; " +
                 "available: " + names);
@@ -326,78 +329,26 @@ KDA_AVX512BF16_FN inline void combine_row(float* c, __m512 product, const Combin
   _mm512_storeu_ps(c, product);
 }
 
-// AVX512-BF16: a register tile of MR rows x NV vectors of 16 columns; each step takes one pair of A's
-// row (broadcast) against one pair-row of B (16 pairs a vector).
-template <int MR, int NV>
-KDA_AVX512BF16_FN void avx512_tile(int64_t pairs, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                   int64_t ldb, float* C, int64_t ldc, int64_t n, const Combine& combine,
-                                   int64_t row0) {
-  __m512 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + 32 * v);
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, A + r * lda + 2 * p, sizeof pair);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) combine_row(combine.row(C, ldc, row0 + r) + n + 16 * v, acc[r][v], combine);
-}
+// AVX512-BF16's kernel (avx512_bf16_kernel-inl.h) over the instructions.
+namespace avx512_native {
 
-template <int MR>
-KDA_AVX512BF16_FN void avx512_rows(int nv, int64_t pairs, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                   int64_t ldb, float* C, int64_t ldc, int64_t n, const Combine& combine,
-                                   int64_t row0) {
-  switch (nv) {
-    case 1: return avx512_tile<MR, 1>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
-    case 2: return avx512_tile<MR, 2>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
-    case 3: return avx512_tile<MR, 3>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
-    default: return avx512_tile<MR, 4>(pairs, A, lda, B, ldb, C, ldc, n, combine, row0);
+struct Lanes {
+  using Sums = __m512;
+  using Pairs = __m512bh;
+  KDA_AVX512BF16_FN static Sums zero() { return _mm512_setzero_ps(); }
+  KDA_AVX512BF16_FN static Pairs load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  KDA_AVX512BF16_FN static Pairs broadcast(int32_t pair) { return (__m512bh)_mm512_set1_epi32(pair); }
+  KDA_AVX512BF16_FN static Sums dpbf16ps(Sums sums, Pairs a, Pairs b) { return _mm512_dpbf16_ps(sums, a, b); }
+  KDA_AVX512BF16_FN static void combine_row(float* c, Sums sums, const Combine& combine) {
+    cpu::combine_row(c, sums, combine);
   }
-}
+};
 
-KDA_AVX512BF16_FN void avx512_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
-                                   float* C, int64_t ldc, const Combine& combine) {
-  constexpr int kRows = 6;  // 6 x 4 accumulators, 4 B vectors and a broadcast: 29 of 32 registers
-  const int64_t lda = packed_depth(K), ldb = 2 * packed_cols(N), pairs = packed_depth(K) / 2;
-  for (int64_t n = 0; n < N; n += 64) {
-    const int nv = static_cast<int>(std::min<int64_t>(4, (N - n) / 16));
-    const uint16_t* Bn = B + 2 * n;
-    int64_t m = 0;
-    // The pairs rows [first, first + rows) need: all, or for a lower triangular A those up to the
-    // last row's.
-    const auto depth = [&](int64_t first, int64_t rows) {
-      return combine.a_lower ? std::min(pairs, (first + rows + 1) / 2) : pairs;
-    };
-    // The vectors of columns rows [first, first + rows) need: all, or for a lower C those up to the
-    // last row's column (none when it lies before n).
-    const auto vectors = [&](int64_t first, int64_t rows) {
-      return combine.c_lower ? static_cast<int>(std::clamp<int64_t>((first + rows - n + 15) / 16, 0, nv))
-                             : nv;
-    };
-    for (; m + kRows <= M; m += kRows) {
-      if (const int v = vectors(m, kRows); v > 0)
-        avx512_rows<kRows>(v, depth(m, kRows), A + m * lda, lda, Bn, ldb, C, ldc, n, combine, m);
-    }
-    const uint16_t* Am = A + m * lda;
-    const int64_t tail = depth(m, M - m);
-    const int v = vectors(m, M - m);
-    if (v == 0) continue;
-    switch (M - m) {
-      case 1: avx512_rows<1>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 2: avx512_rows<2>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 3: avx512_rows<3>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 4: avx512_rows<4>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      case 5: avx512_rows<5>(v, tail, Am, lda, Bn, ldb, C, ldc, n, combine, m); break;
-      default: break;
-    }
-  }
-}
+#define KDA_LANES_FN KDA_AVX512BF16_FN
+#include "cpu/avx512_bf16_kernel-inl.h"
+#undef KDA_LANES_FN
+
+}  // namespace avx512_native
 
 // AMX's tile configuration: palette 1, every tile 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
@@ -490,9 +441,16 @@ struct Tiles {
 }  // namespace
 #endif
 
-// ---- AMX's kernel over a model of its tiles -------------------------------------------------------
+// ---- the native kernels over models of their instructions ---------------------------------------
 
 namespace {
+
+// x, or a zero of its sign where it is subnormal: the units read subnormal inputs as zero and flush
+// subnormal results, whatever MXCSR says.
+float flushed(float x) {
+  return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+}
+float bf16_read(uint16_t bits) { return flushed(bf16_value(bits)); }
 
 // The amx unit's kernel over this plain C++ model of the tiles it uses (the amx_model unit): AMX's
 // blocking, run and tested on any CPU. The model holds the eight tiles as tile_config() shapes them
@@ -519,11 +477,6 @@ struct Tiles {
   void store(void* dst, int64_t stride) {
     for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(dst) + r * stride, tile[T][r], 64);
   }
-  // x, or a zero of its sign where it is subnormal.
-  static float flushed(float x) {
-    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
-  }
-  static float bf16_read(uint16_t bits) { return flushed(bf16_value(bits)); }
   template <int C, int A, int B>
   void dpbf16ps() {
     for (int m = 0; m < 16; ++m) {
@@ -554,6 +507,49 @@ struct Tiles {
 #undef KDA_TILE_FN
 
 }  // namespace amx_model
+
+// The avx512_bf16 unit's kernel over this plain C++ model of its vectors (the avx512_bf16_model unit):
+// AVX512-BF16's register tiles, run and tested on any CPU. VDPBF16PS adds, in each of 16 lanes, the
+// odd pair element's product and then the even one's, in fp32 (the order measured on Zen 5: 8% of
+// random cases tell the two orders apart, and every one matched this), subnormals read and written
+// as zero.
+namespace avx512_model {
+
+struct Lanes {
+  struct Sums {
+    float x[16];
+  };
+  struct Pairs {
+    uint16_t w[32];
+  };
+  static Sums zero() { return Sums{}; }
+  static Pairs load(const uint16_t* p) {
+    Pairs r;
+    std::memcpy(r.w, p, sizeof r.w);
+    return r;
+  }
+  static Pairs broadcast(int32_t pair) {
+    Pairs r;
+    for (int i = 0; i < 16; ++i) std::memcpy(r.w + 2 * i, &pair, sizeof pair);
+    return r;
+  }
+  static Sums dpbf16ps(Sums s, const Pairs& a, const Pairs& b) {
+    for (int i = 0; i < 16; ++i) {
+      const float x = flushed(s.x[i] + bf16_read(a.w[2 * i + 1]) * bf16_read(b.w[2 * i + 1]));
+      s.x[i] = flushed(x + bf16_read(a.w[2 * i]) * bf16_read(b.w[2 * i]));
+    }
+    return s;
+  }
+  static void combine_row(float* c, const Sums& s, const Combine& combine) {
+    for (int n = 0; n < 16; ++n) c[n] = combine.accumulate ? c[n] + s.x[n] : s.x[n];
+  }
+};
+
+#define KDA_LANES_FN
+#include "cpu/avx512_bf16_kernel-inl.h"
+#undef KDA_LANES_FN
+
+}  // namespace avx512_model
 }  // namespace
 
 ProductSession::ProductSession(ProductUnit unit) {
@@ -582,12 +578,15 @@ void native_gemm(ProductUnit unit, int64_t M, int64_t N, int64_t K, const uint16
   if (combine.second != nullptr && combine.second_from % 16 != 0)
     throw Error("kda: internal: a bf16 product's second destination must start at a multiple of 16 rows");
   if (unit == ProductUnit::amx_model) return amx_model::amx_gemm(M, N, K, A, B, C, ldc, combine);
+  if (unit == ProductUnit::avx512_bf16_model)
+    return avx512_model::avx512_gemm(M, N, K, A, B, C, ldc, combine);
 #if KDA_X86_UNITS
   switch (unit) {
     case ProductUnit::amx: return amx_native::amx_gemm(M, N, K, A, B, C, ldc, combine);
-    case ProductUnit::avx512_bf16: return avx512_gemm(M, N, K, A, B, C, ldc, combine);
+    case ProductUnit::avx512_bf16: return avx512_native::avx512_gemm(M, N, K, A, B, C, ldc, combine);
     case ProductUnit::portable:
-    case ProductUnit::amx_model: break;
+    case ProductUnit::amx_model:
+    case ProductUnit::avx512_bf16_model: break;
   }
 #endif
   throw Error(std::string("kda: internal: no native bf16 unit '") + product_unit_name(unit) + "' here");

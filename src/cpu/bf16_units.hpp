@@ -6,8 +6,9 @@
 // operands to bf16 values held in floats and runs the fp32 kernels' own products (a product of two bf16
 // values is exact in fp32, so only the order of the fp32 sums differs). The portable path is what
 // every CPU can run and test; the native units need their operands packed (pack_a, pack_b), in a layout
-// that reference_gemm() reads on any CPU, so the layouts are tested everywhere too, and AMX's kernel
-// also runs over a model of its tiles (amx_model), so its blocking is tested everywhere as well.
+// that reference_gemm() reads on any CPU, so the layouts are tested everywhere too, and each native
+// kernel also runs over a model of its instructions (amx_model, avx512_bf16_model), so its blocking is
+// tested everywhere as well.
 //
 // Not Highway code: the native units are x86 instructions, compiled with per-function target
 // attributes and chosen at run time (product_unit()).
@@ -19,19 +20,25 @@
 
 namespace kda::cpu {
 
-// amx_model: the amx unit's kernel over a plain C++ model of its tiles (bf16_units.cpp), so that AMX's
-// blocking runs on any CPU; slow, and only for tests: it runs where KDA_BF16_UNIT names it, never by
-// choice, and is not among the available units.
-enum class ProductUnit : int32_t { portable = 0, avx512_bf16 = 1, amx = 2, amx_model = 3 };
+// The models, amx_model and avx512_bf16_model: a native unit's kernel over a plain C++ model of its
+// instructions (bf16_units.cpp), so that its blocking runs on any CPU; slow, and only for tests: a
+// model runs where KDA_BF16_UNIT names it, never by choice, and is not among the available units.
+enum class ProductUnit : int32_t {
+  portable = 0,
+  avx512_bf16 = 1,
+  amx = 2,
+  amx_model = 3,
+  avx512_bf16_model = 4
+};
 
 const char* product_unit_name(ProductUnit unit);
 // The units this CPU and its kernel run, best first (portable is always there, last). AMX counts only
 // once the kernel granted the process its tile state (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once).
 std::vector<ProductUnit> available_product_units();
-// Whether `unit` runs here: an available one, or amx_model (everywhere).
+// Whether `unit` runs here: an available one, or a model (everywhere).
 bool product_unit_runs(ProductUnit unit);
 // The unit the bf16 products run on: the best available, or the one the environment variable
-// KDA_BF16_UNIT names (portable, avx512_bf16, amx, or amx_model for tests; read once). A unit that does
+// KDA_BF16_UNIT names (portable, avx512_bf16, amx, or a model for tests; read once). A unit that does
 // not run here throws kda::Error saying which do.
 ProductUnit product_unit();
 
@@ -48,7 +55,7 @@ inline constexpr int64_t packed_cols(int64_t n) { return (n + 15) / 16 * 16; }
 inline constexpr int64_t packed_depth(int64_t k) { return (k + 31) / 32 * 32; }
 
 // A(m, p) = src[m * rs + p * cs], negated when `negate` (C -= A B is C += (-A) B). `unit` picks the
-// conversion's instructions (a native unit's, or plain C++ for portable and amx_model); all give the
+// conversion's instructions (a native unit's, or plain C++ for portable and the models); all give the
 // same bits.
 // The native conversion is vectorized where rs or cs is 1 (a transposed A goes through 16 x 16 blocks).
 void pack_a(int64_t M, int64_t K, const float* src, int64_t rs, int64_t cs, bool negate, uint16_t* dst,

@@ -80,11 +80,13 @@ def test_bad_values_and_unsupported_combinations():
 
 def test_engine_names_its_unit():
     units = kda.engine.bf16_product_units()
-    assert units[-1] == "portable" and "amx_model" not in units
-    # amx_model (AMX's kernel over a model of its tiles, for tests) runs only where KDA_BF16_UNIT names it.
+    models = ("amx_model", "avx512_bf16_model")
+    assert units[-1] == "portable" and not set(models) & set(units)
+    # The models (a native kernel over a model of its instructions, for tests) run only where
+    # KDA_BF16_UNIT names them.
     unit = kda.engine.bf16_product_unit()
-    if unit == "amx_model":
-        assert os.environ.get("KDA_BF16_UNIT", "").lower() == "amx_model"
+    if unit in models:
+        assert os.environ.get("KDA_BF16_UNIT", "").lower() == unit
     else:
         assert unit in units
 
