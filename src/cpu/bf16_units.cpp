@@ -455,9 +455,11 @@ float bf16_read(uint16_t bits) { return flushed(bf16_value(bits)); }
 // The amx unit's kernel over this plain C++ model of the tiles it uses (the amx_model unit): AMX's
 // blocking, run and tested on any CPU. The model holds the eight tiles as tile_config() shapes them
 // (16 rows of 64 bytes) and does what the four instructions do. TDPBF16PS adds, for each result
-// element, the two products of each pair in turn, in fp32 (a product of two bf16 values is exact),
-// with subnormal inputs read as zero and subnormal results flushed to zero, as the instruction does
-// whatever MXCSR says. The packing makes no subnormal bf16, but C loaded into a tile may hold one.
+// element, the even pair element's product and then the odd one's, in fp32 (a product of two bf16
+// values is exact), with subnormal inputs read as zero and subnormal results flushed to zero, as the
+// instruction does whatever MXCSR says. That order is Intel's documented one, not measured (no CPU
+// with AMX ran this model against the tiles), so the tests hold the model to the reference, not to
+// bits. The packing makes no subnormal bf16, but C loaded into a tile may hold one.
 namespace amx_model {
 
 struct Tiles {
