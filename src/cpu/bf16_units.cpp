@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <mutex>
 
@@ -98,8 +99,13 @@ std::vector<ProductUnit> available_product_units() {
   return units;
 }
 
+namespace {
+// The units that run a native kernel over a model of its instructions, on any CPU, for tests.
+constexpr ProductUnit kModels[] = {ProductUnit::amx_model, ProductUnit::avx512_bf16_model};
+}  // namespace
+
 bool product_unit_runs(ProductUnit unit) {
-  if (unit == ProductUnit::amx_model || unit == ProductUnit::avx512_bf16_model) return true;
+  if (std::find(std::begin(kModels), std::end(kModels), unit) != std::end(kModels)) return true;
   const std::vector<ProductUnit>& units = available_product_units();
   return std::find(units.begin(), units.end(), unit) != units.end();
 }
@@ -110,15 +116,16 @@ ProductUnit product_unit() {
     const std::vector<ProductUnit> units = available_product_units();
     const char* env = std::getenv("KDA_BF16_UNIT");
     if (env == nullptr || *env == '\0') return units.front();
-    for (ProductUnit model : {ProductUnit::amx_model, ProductUnit::avx512_bf16_model})
+    for (ProductUnit model : kModels)
       if (lower(env) == product_unit_name(model)) return model;
     std::string names;
     for (ProductUnit u : units) {
       if (lower(env) == product_unit_name(u)) return u;
       names += std::string(names.empty() ? "" : ", ") + product_unit_name(u);
     }
-    names += std::string("; and for tests, on any CPU: ") + product_unit_name(ProductUnit::amx_model) + ", " +
-             product_unit_name(ProductUnit::avx512_bf16_model);
+    names += "; and for tests, on any CPU: ";
+    for (ProductUnit model : kModels)
+      names += std::string(model == kModels[0] ? "" : ", ") + product_unit_name(model);
     // Not cached as a choice: every call reports it again (a static initialiser that throws reruns).
     throw Error(std::string("kda: KDA_BF16_UNIT '") + env + "' is not a bf16 product unit this CPU runs; " +
                 "available: " + names);
@@ -452,6 +459,11 @@ float flushed(float x) {
 }
 float bf16_read(uint16_t bits) { return flushed(bf16_value(bits)); }
 
+// A row of 16 results into C's row c, as Combine says (both models: the natives' combine_row).
+void combine_row16(float* c, const float* row, const Combine& combine) {
+  for (int n = 0; n < 16; ++n) c[n] = combine.accumulate ? c[n] + row[n] : row[n];
+}
+
 // The amx unit's kernel over this plain C++ model of the tiles it uses (the amx_model unit): AMX's
 // blocking, run and tested on any CPU. The model holds the eight tiles as tile_config() shapes them
 // (16 rows of 64 bytes) and does what the four instructions do. TDPBF16PS adds, for each result
@@ -499,9 +511,7 @@ struct Tiles {
       std::memcpy(tile[C][m], c, sizeof c);
     }
   }
-  void combine_row(float* c, const float* row, const Combine& combine) {
-    for (int n = 0; n < 16; ++n) c[n] = combine.accumulate ? c[n] + row[n] : row[n];
-  }
+  void combine_row(float* c, const float* row, const Combine& combine) { combine_row16(c, row, combine); }
 };
 
 #define KDA_TILE_FN
@@ -542,9 +552,7 @@ struct Lanes {
     }
     return s;
   }
-  static void combine_row(float* c, const Sums& s, const Combine& combine) {
-    for (int n = 0; n < 16; ++n) c[n] = combine.accumulate ? c[n] + s.x[n] : s.x[n];
-  }
+  static void combine_row(float* c, const Sums& s, const Combine& combine) { combine_row16(c, s.x, combine); }
 };
 
 #define KDA_LANES_FN

@@ -55,10 +55,9 @@ inline void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t 
 // The opt-in bf16 products of the chunked forward (RunOptions::precision = bf16; chunk_bf16-inl.h):
 // each operand rounded to bf16 and the products summed in fp32, on the bf16 unit product_unit() picked
 // (AMX, AVX512-BF16, or for tests a native kernel over a model of its instructions) or, on the
-// portable unit, by the
-// fp32 products over operands rounded in place: the same rounding, only the order of the fp32 sums differs. A
-// right operand is kept (keep_b), converted once for the products that share it (S for Y and Q S; Vn for P Vn
-// and Kd^T Vn).
+// portable unit, by the fp32 products over operands rounded in place: the same rounding, only the
+// order of the fp32 sums differs. A right operand is kept (keep_b), converted once for the products
+// that share it (S for Y and Q S; Vn for P Vn and Kd^T Vn).
 class ChunkProducts {
  public:
   static constexpr int kKeptOperands = 2;
