@@ -50,6 +50,7 @@
 
 #include "cpu/phase_clock.hpp"
 #include "cpu/simd-inl.h"
+#include "cpu/vendor.hpp"
 #include "hwy/cache_control.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -67,8 +68,14 @@ static_assert(kBwdColumns >= 1, "backward groups of at least one column");
 
 HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
-// Width (floats) of forward column blocks: a multiple of the vector length, at most kFwdVectors.
-HWY_INLINE int64_t block_width() { return kFwdVectors * lanes(); }
+// Width (floats) of a problem's forward column blocks: a multiple of the vector length, at most
+// kFwdVectors. The per-key sweep's take tuning.hpp's recurrent_forward_block_vectors on this CPU; the
+// per-head gate's sweep runs its blocks in slices of its own (kScalarGateVectors) and keeps kFwdVectors.
+HWY_INLINE int64_t block_width(const core::Plan& plan) {
+  static const int64_t per_key =
+      std::min<int64_t>(kFwdVectors, on_this_cpu(kTuning.recurrent_forward_block_vectors));
+  return (plan.per_head_gate() ? kFwdVectors : per_key) * lanes();
+}
 
 // ---- forward ------------------------------------------------------------------------------------
 
@@ -159,7 +166,7 @@ HWY_INLINE void for_each_panel_element(int64_t K, int64_t V, F&& f) {
 
 // Writes the blocked state into panels (padded lanes untouched).
 void blocked_to_panels(const BlockedState& S, int64_t V, float* dst) {
-  const int64_t W = block_width();  // == S.W, a compile-time constant here
+  const int64_t W = S.W;
   for_each_panel_element(S.K, V, [&](int64_t j, int64_t kk, int64_t off) {
     const int64_t c0 = j / W * W;
     dst[off] = S.block(c0)[kk * S.width(c0) + (j - c0)];
@@ -599,10 +606,9 @@ struct ForwardWork {
     qT.reset(kC * Kp), kT.reset(kC * Kp);
     gate_groups.resize(static_cast<size_t>(heads * (kC / kGroup)));
   }
+  int64_t W = 0;                       // the current problem's block width (block_width)
   int64_t col_begin = 0, col_end = 0;  // the column blocks of the current item (see BlockedState)
-  BlockedState state(int64_t j) const {
-    return {K, Vp, block_width(), S.data() + j * K * Vp, col_begin, col_end};
-  }
+  BlockedState state(int64_t j) const { return {K, Vp, W, S.data() + j * K * Vp, col_begin, col_end}; }
   float* output(int64_t j) const { return o.data() + j * kC * Vp; }
   // The bytes the constructor allocates per head.
   static int64_t bytes_per_head(int64_t K, int64_t V) {
@@ -642,7 +648,7 @@ template <bool kOutput, typename Gather>
 void scalar_gate_sweep(const core::Plan& plan, int64_t n, int64_t heads, const BlockRows& cur, ForwardWork& w,
                        const RowPrefetch& next_in, const RowPrefetch& this_out, const Gather& gather,
                        PhaseClock& clock) {
-  const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, L = lanes(), W = block_width();
+  const int64_t K = w.K, Kp = w.Kp, Vp = w.Vp, L = lanes(), W = w.W;
   const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;
   const int64_t groups = (n + kGroup - 1) / kGroup;
   const RowPrefetch none{};
@@ -706,7 +712,9 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
   HWY_DASSERT(kOutput || (heads == 1 && w.col_begin == 0 && w.col_end == w.Vp));
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
-  const int64_t L = lanes(), W = block_width();
+  const int64_t L = lanes();
+  w.W = block_width(plan);
+  const int64_t W = w.W;
   const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;  // column blocks per head of this item
   for (int64_t j = 0; j < heads; ++j) load_blocked(plan, plan.initial[n_seq], hv0 + j, w.state(j));
   clock.lap(Phase::state_io);

@@ -29,7 +29,7 @@ void RecurrentForward(const core::Plan& plan, const ForwardInputs& in, const For
                                        kTuning.recurrent_item_bytes);
   const int64_t groups = (plan.HV + heads - 1) / heads;
   const int64_t pairs = plan.num_sequences() * groups;
-  const int64_t W = block_width(), blocks = (padded(plan.V) + W - 1) / W;
+  const int64_t W = block_width(plan), blocks = (padded(plan.V) + W - 1) / W;
   const int64_t shares = std::clamp<int64_t>(run.threads() / std::max<int64_t>(pairs, 1), 1, blocks);
   const int64_t items = pairs * shares;
   auto work = run.workspaces<ForwardWork>(items, plan.K, plan.V, heads);

@@ -94,7 +94,15 @@ struct Tuning {
 
   // Vectors per row of a forward column block (1 to 4): the accumulators for k^T S and q^T S
   // (2 per vector), the residual (1 per vector) and the row being updated must fit the register file.
+  // The most a block holds; recurrent_forward_block_vectors below may take fewer.
   ByTarget recurrent_forward_vectors{2, 4};
+  // Vectors per column block of the per-key sweep (KDA's prefill) where the register file holds more
+  // (AVX-512's 4): on AMD's Zen 5 blocks of 2 ran it faster than blocks of 4 at every shape measured
+  // (docs/performance.md, 2026-12-07, afternoon); other CPUs keep the 4 they were tuned with (the
+  // Xeon was not measured with 2). The per-head gate's sweep keeps recurrent_forward_vectors (no
+  // faster with 2). No result changes (each column's sums run down the rows in the same order in a
+  // block of any width).
+  ByVendor recurrent_forward_block_vectors{4, 2};
   // State columns per group of the backward's reverse sweep: one k^T dS2 accumulator each,
   // plus the shared row vectors, in the register file.
   ByTarget recurrent_backward_columns{4, 8};
@@ -191,7 +199,7 @@ constexpr TuningRow tuning_row(const char* name, ByVendor v) {
 
 // Every entry of kTuning, in its order, named as in the struct.
 #define KDA_TUNING_ROW(entry) tuning_row(#entry, kTuning.entry)
-inline constexpr std::array<TuningRow, 25> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
+inline constexpr std::array<TuningRow, 26> kTuningRows = {KDA_TUNING_ROW(prefill_prefers_recurrent),
                                                           KDA_TUNING_ROW(decode_tokens),
                                                           KDA_TUNING_ROW(decode_slot_steps),
                                                           KDA_TUNING_ROW(decode_bytes_per_worker),
@@ -202,6 +210,7 @@ inline constexpr std::array<TuningRow, 25> kTuningRows = {KDA_TUNING_ROW(prefill
                                                           KDA_TUNING_ROW(decode_rows),
                                                           KDA_TUNING_ROW(decode_column_vectors),
                                                           KDA_TUNING_ROW(recurrent_forward_vectors),
+                                                          KDA_TUNING_ROW(recurrent_forward_block_vectors),
                                                           KDA_TUNING_ROW(recurrent_backward_columns),
                                                           KDA_TUNING_ROW(scalar_gate_group),
                                                           KDA_TUNING_ROW(scalar_gate_vectors),
