@@ -10,8 +10,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <tuple>
+#include <vector>
 
+#include "cpu/backend.hpp"
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -238,6 +242,36 @@ TEST(ForwardDeterminism, ThreadCounts) {
     EXPECT_TRUE(bitwise_equal(one.out.o, again.out.o)) << "run to run";
     const ForwardRun bare = run_forward(k, d, RunOptions{2}, /*want_states=*/false);
     EXPECT_TRUE(bitwise_equal(one.out.o, bare.out.o)) << "o changed when no state output was requested";
+  }
+}
+
+// The recurrent forward's per-key sweep runs its column blocks 2 vectors wide on AMD CPUs and 4 wide
+// elsewhere on AVX-512 (tuning.hpp: recurrent_forward_block_vectors); each CPU runs one of them, so
+// every width is run here (capped at the target's), with chunk states, V with a partial block, column
+// shares (one sequence and head on two threads) and the recurrent backward's own checkpoint pass, and
+// must agree bit for bit.
+TEST(ForwardDeterminism, ColumnBlockWidths) {
+  for (const char* spec : {"T=200 H=2 HV=4 K=60 V=100 h0 seed=701", "T=130 K=64 V=128 v_first h0 seed=702"}) {
+    SCOPED_TRACE(spec);
+    Data d;
+    make_data(parse_case(spec), d);
+    Cotangents ct;
+    make_cotangents(d, true, 703, ct);
+    const auto bits = [](const std::vector<float>& x) {
+      std::vector<uint32_t> b(x.size());
+      if (!x.empty()) std::memcpy(b.data(), x.data(), x.size() * sizeof(float));
+      return b;
+    };
+    auto run_once = [&](int vectors) {
+      cpu::set_forward_block_vectors_for_testing(vectors);
+      const ForwardRun f = run_forward(Kernel::recurrent, d, RunOptions{2});
+      const BackwardRun b = run_backward(Kernel::recurrent, d, ct, RunOptions{2});
+      cpu::set_forward_block_vectors_for_testing(-1);
+      return std::make_tuple(f.out.o.raw(), bits(f.out.final_state), bits(f.out.chunk_states), b.out.dq.raw(),
+                             b.out.dk.raw(), b.out.dv.raw(), b.out.dg.raw(), bits(b.out.d_initial_state));
+    };
+    const auto ref = run_once(1);
+    for (int vectors : {2, 3, 4}) EXPECT_EQ(run_once(vectors), ref) << vectors << " vectors a block";
   }
 }
 

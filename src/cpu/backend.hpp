@@ -33,6 +33,12 @@ int simd_vector_bits(bool hardware);
 // set_next_state_to_l2_for_testing (0 or 1; -1 returns to this CPU's). No result depends on it.
 bool next_state_to_l2();
 void set_next_state_to_l2_for_testing(int to_l2);
+// Vectors per column block of the per-key recurrent sweep: tuning.hpp's
+// recurrent_forward_block_vectors on this CPU (capped at the target's recurrent_forward_vectors),
+// unless a test set it with set_forward_block_vectors_for_testing (1 to 4; -1 returns to this CPU's).
+// No result depends on it.
+int forward_block_vectors();
+void set_forward_block_vectors_for_testing(int vectors);
 
 // The call's runner (threads and workspaces of its execution context), on the selected SIMD target.
 inline Runner runner_for(const RunOptions& opt) {

@@ -50,7 +50,6 @@
 
 #include "cpu/phase_clock.hpp"
 #include "cpu/simd-inl.h"
-#include "cpu/vendor.hpp"
 #include "hwy/cache_control.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -69,12 +68,13 @@ static_assert(kBwdColumns >= 1, "backward groups of at least one column");
 HWY_INLINE int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
 // Width (floats) of a problem's forward column blocks: a multiple of the vector length, at most
-// kFwdVectors. The per-key sweep's take tuning.hpp's recurrent_forward_block_vectors on this CPU; the
-// per-head gate's sweep runs its blocks in slices of its own (kScalarGateVectors) and keeps kFwdVectors.
+// kFwdVectors. The per-key sweep's take forward_block_vectors() (tuning.hpp's
+// recurrent_forward_block_vectors on this CPU); the per-head gate's sweep runs its blocks in slices of
+// its own (kScalarGateVectors) and keeps kFwdVectors.
 HWY_INLINE int64_t block_width(const core::Plan& plan) {
-  static const int64_t per_key =
-      std::min<int64_t>(kFwdVectors, on_this_cpu(kTuning.recurrent_forward_block_vectors));
-  return (plan.per_head_gate() ? kFwdVectors : per_key) * lanes();
+  const int64_t vectors =
+      plan.per_head_gate() ? kFwdVectors : std::min<int64_t>(kFwdVectors, forward_block_vectors());
+  return vectors * lanes();
 }
 
 // ---- forward ------------------------------------------------------------------------------------
@@ -713,8 +713,9 @@ void forward_heads(const core::Plan& plan, const ForwardInputs& in, const Forwar
   const core::Sequence& seq = plan.sequences[n_seq];
   const int64_t K = w.K, V = w.V, Kp = w.Kp, Vp = w.Vp;
   const int64_t L = lanes();
-  w.W = block_width(plan);
+  w.W = block_width(plan);  // as the caller's column shares took it (RecurrentForward)
   const int64_t W = w.W;
+  HWY_DASSERT(w.col_begin % W == 0);
   const int64_t blocks = (w.col_end - w.col_begin + W - 1) / W;  // column blocks per head of this item
   for (int64_t j = 0; j < heads; ++j) load_blocked(plan, plan.initial[n_seq], hv0 + j, w.state(j));
   clock.lap(Phase::state_io);

@@ -1,9 +1,11 @@
 // Token-by-token (recurrent) forward on the CPU. See cpu/recurrent-inl.h for the design.
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "cpu/backend.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/vendor.hpp"
 
 // foreach_target.h re-includes this file once per SIMD target; the order below matters.
 // clang-format off
@@ -52,6 +54,19 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace kda::cpu {
 HWY_EXPORT(RecurrentForward);
+
+namespace {
+std::atomic<int> forward_block_vectors_for_testing{-1};
+}  // namespace
+
+int forward_block_vectors() {
+  const int set = forward_block_vectors_for_testing.load(std::memory_order_relaxed);
+  return set >= 1 ? set : static_cast<int>(on_this_cpu(kTuning.recurrent_forward_block_vectors));
+}
+
+void set_forward_block_vectors_for_testing(int vectors) {
+  forward_block_vectors_for_testing.store(vectors < 1 ? -1 : vectors, std::memory_order_relaxed);
+}
 
 void recurrent_forward(const core::Plan& plan, const ForwardInputs& in, const ForwardOutputs& out,
                        const RunOptions& opt) {
