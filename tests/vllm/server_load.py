@@ -11,12 +11,15 @@ full form):
   of the streamed ones are cancelled after a chunk or two by closing the socket, and the same client
   then sends a follow-up request at once (it may get the state slots the cancelled one freed).
 - ``check``: the server alive throughout and idle at the end, nothing lost (every request completed or
-  deliberately cancelled, the server's own counts agreeing), and every token a client received,
-  cancelled requests' included, against transformers' float32 model (teacher-forced, engine_run.py's
-  reference): each token's log-probability within the tolerance, and for a float32 server each greedy
-  token within FP32_TOL of the reference's largest log-probability at its position. Near-ties make
-  token ids a poor comparison (test_vllm_kimi.py's docstring); a wrong state slot, a stale state after
-  a cancellation or a bad recompute after a preemption moves log-probabilities by 0.07 and more.
+  deliberately cancelled, the server's own counts bounded by the clients'), and every token a client
+  received, cancelled requests' included, against transformers' float32 model (teacher-forced,
+  engine_run.py's reference): each token's log-probability within the tolerance, and for a float32
+  server each greedy token within FP32_TOL of the reference's largest log-probability at its
+  position. Near-ties make token ids a poor comparison (test_vllm_kimi.py's docstring); a wrong state
+  slot, a stale state after a cancellation or a bad recompute after a preemption moves
+  log-probabilities by 0.07 and more.
+- ``check_cancellation``: on the idle server after a load, a cancelled request is aborted, not
+  finished, whether its socket closes after its first token or before it.
 
 The clients use the standard library only (the tolerances come from test_vllm_kimi.py, which
 imports torch and pytest); nothing of vLLM is imported in the driving process.
@@ -269,6 +272,7 @@ class Request:
     stream: bool
     cancel_after: int | None = None  # streamed chunks to read before closing the socket
     after_cancel: bool = False  # sent by its client right after that client's cancelled request
+    ignore_eos: bool = False  # generate max_tokens tokens whatever the model emits
 
 
 @dataclass
@@ -364,6 +368,7 @@ def _body(req):
         "return_tokens_as_token_ids": True,
         "return_token_ids": True,
         "stream": req.stream,
+        **({"ignore_eos": True} if req.ignore_eos else {}),
     }
 
 
@@ -664,14 +669,19 @@ def check(checkpoint, server, load, tol, greedy_tol=None, solo=False):
     server_errors = load.delta(success, finished_reason="error")
     if server_errors:
         fail(f"the server counted {server_errors} requests finished with an error")
-    # vLLM 0.32 does not count aborted requests there; but a cancelled request asks for more tokens
-    # than it reads before closing, so one the server did not abort shows as finished ("length"). A
-    # few may finish before the disconnect reaches the engine (the server is busy); most must not.
+    # vLLM 0.32 does not count aborted requests there; a cancelled request asks for more tokens than
+    # it reads before closing, so one the server did not abort shows as finished ("length"). Under
+    # load that is a race, not a defect: the engine keeps generating while the API server's event loop
+    # (one thread among the engine's) waits for a core, and with the cores contended the disconnect
+    # can arrive after all the tokens were generated (2026-12-07, Zen 5, two busy processes beside
+    # the fp32 load: 3 of 4 cancelled requests finished in 2 of 4 runs; alone, 0 of 4 in 9 runs). So
+    # the load only bounds the count (no request finished that no client sent); check_cancellation
+    # tests the abort itself on an idle server, where it has no race to lose.
     rep.cancelled_but_finished = int(rep.finished_by_server - rep.completed)
-    if load.metrics_after and not 0 <= rep.cancelled_but_finished <= rep.cancelled // 2:
+    if load.metrics_after and not 0 <= rep.cancelled_but_finished <= rep.cancelled:
         fail(
             f"the server finished {rep.finished_by_server:g} requests; the clients completed "
-            f"{rep.completed} and cancelled {rep.cancelled} (which the server should have aborted)"
+            f"{rep.completed} and cancelled {rep.cancelled}"
         )
     rep.preemptions = load.delta("vllm:num_preemptions_total")
     rep.spec_drafts = load.delta("vllm:spec_decode_num_drafts_total")
@@ -767,6 +777,67 @@ def check_bad_requests(checkpoint, server, tol):
         ]
         if max(errors) > tol:
             failures.append(f"good request {out.request.prompt}: log-probability errors {errors}")
+    return failures
+
+
+def check_cancellation(server, prompt_lengths=(1, 600), before_first_token=(False, True)):
+    """On an idle server, each cancellation is an abort: a streamed request for every token the
+    context has room for, its socket closed after the first chunk (or, ``before_first_token``, right
+    after the response headers, while the prompt may still be computed), must leave the server with
+    nothing running or waiting and its finished count unchanged (vLLM 0.32 counts no abort there).
+    Alone on 2 Zen 5 cores the engine had generated 0 to 5 of the ~1000 tokens when the abort came;
+    with two busy processes beside the server, the first cancellation after a load waited 3 s for
+    the API server's event loop and ran to 514 tokens (the tiny model makes ~500 a second), or to
+    the end. Returns a list of failures (empty: all passed)."""
+    failures = []
+    generated = "vllm:generation_tokens_total"
+    finished = "vllm:request_success_total"
+    for n, length in enumerate(prompt_lengths):
+        prompt = [WORD_IDS[0] + i % (WORD_IDS[1] - WORD_IDS[0]) for i in range(length)]
+        for early in before_first_token:
+            label = f"a {len(prompt)}-token prompt cancelled " + (
+                "before its first token" if early else "after one chunk"
+            )
+            asked = server.max_model_len - len(prompt)
+            before = server.wait_idle()
+            req = Request(20_000 + 2 * n + early, prompt, asked, stream=True, cancel_after=1, ignore_eos=True)
+            if early:
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+                try:
+                    conn.request(
+                        "POST",
+                        "/v1/completions",
+                        json.dumps(_body(req)),
+                        {"Content-Type": "application/json"},
+                    )
+                    resp = conn.getresponse()
+                    if resp.status != 200:
+                        failures.append(f"{label}: HTTP {resp.status}")
+                        continue
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    conn.close()
+            else:
+                out = send(server.port, req, timeout=120)
+                if out.status != "cancelled":
+                    failures.append(f"{label}: {out.status} {out.http_status} {out.error}")
+                    continue
+            after = server.wait_idle()
+            running = after.get("vllm:num_requests_running") + after.get("vllm:num_requests_waiting")
+            more_finished = sum(
+                after.get(finished, finished_reason=r) - before.get(finished, finished_reason=r)
+                for r in ("length", "stop")
+            )
+            tokens = after.get(generated) - before.get(generated)
+            if running:
+                failures.append(f"{label}: {running:g} requests still running or waiting")
+            if more_finished:
+                failures.append(
+                    f"{label}: the server finished it ({tokens:g} of {asked} tokens) instead of aborting it"
+                )
+            if not server.alive():
+                failures.append(f"{label}: the server exited:\n{server.log_tail()}")
+                return failures
     return failures
 
 

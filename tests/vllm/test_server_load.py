@@ -8,7 +8,8 @@ request from the same client), then checked against transformers' float32 model 
 - bf16 (vLLM's serving dtype) with n-gram speculative decoding, prompts of 1 to 1000 tokens;
 - float32 without speculation, with a KV pool of 13 blocks (one 1024-token request needs 11: 3 KDA
   state blocks and 8 MLA blocks of 128 tokens) so that vLLM preempts running requests and recomputes
-  them, then the bad requests (each a 4xx, and the next good request served and correct).
+  them, then the bad requests (each a 4xx, and the next good request served and correct), then
+  cancellations on the idle server (each an abort: nothing left running, nothing finished).
 
 Run with the vLLM environment: ``.venv-vllm/bin/python -m pytest tests/vllm/test_server_load.py -q``.
 """
@@ -77,11 +78,13 @@ def test_load_float32_preemption_and_bad_requests(checkpoint, tmp_path):
         load = server_load.run_load(server, jobs, clients=CLIENTS, time_limit=240, request_timeout=180)
         rep = server_load.check(checkpoint, server, load, server_load.FP32_TOL)
         bad = server_load.check_bad_requests(checkpoint, server, server_load.FP32_TOL)
+        not_aborted = server_load.check_cancellation(server)
         alive = server.alive()
     print(rep.row(), f"reference {rep.reference_seconds:.0f} s, solo rechecked {rep.solo_rechecked}")
     _assert_report(rep, server, jobs)
     assert rep.preemptions > 0, "no preemption: the KV pool is not small enough"
     assert not bad, "\n".join(bad)
+    assert not not_aborted, "\n".join(not_aborted)
     assert alive
 
 
