@@ -19,7 +19,7 @@ full form):
   slot, a stale state after a cancellation or a bad recompute after a preemption moves
   log-probabilities by 0.07 and more.
 - ``check_cancellation``: on the idle server after a load, a cancelled request is aborted, not
-  finished, whether its socket closes after its first token or before it.
+  finished, whether its socket closes after its first chunk or right after the headers.
 
 The clients use the standard library only (the tolerances come from test_vllm_kimi.py, which
 imports torch and pytest); nothing of vLLM is imported in the driving process.
@@ -780,10 +780,10 @@ def check_bad_requests(checkpoint, server, tol):
     return failures
 
 
-def check_cancellation(server, prompt_lengths=(1, 600), before_first_token=(False, True)):
+def check_cancellation(server, prompt_lengths=(1, 600), at_headers=(False, True)):
     """On an idle server, each cancellation is an abort: a streamed request for every token the
-    context has room for, its socket closed after the first chunk (or, ``before_first_token``, right
-    after the response headers, while the prompt may still be computed), must leave the server with
+    context has room for, its socket closed after the first chunk (or, ``at_headers``, right after
+    the response headers, while the prompt may still be computed), must leave the server with
     nothing running or waiting and its finished count unchanged (vLLM 0.32 counts no abort there).
     Alone on 2 Zen 5 cores the engine had generated 0 to 5 of the ~1000 tokens when the abort came;
     with two busy processes beside the server, the first cancellation after a load waited 3 s for
@@ -794,9 +794,9 @@ def check_cancellation(server, prompt_lengths=(1, 600), before_first_token=(Fals
     finished = "vllm:request_success_total"
     for n, length in enumerate(prompt_lengths):
         prompt = [WORD_IDS[0] + i % (WORD_IDS[1] - WORD_IDS[0]) for i in range(length)]
-        for early in before_first_token:
+        for early in at_headers:
             label = f"a {len(prompt)}-token prompt cancelled " + (
-                "before its first token" if early else "after one chunk"
+                "right after the response headers" if early else "after one chunk"
             )
             asked = server.max_model_len - len(prompt)
             before = server.wait_idle()
