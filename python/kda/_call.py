@@ -46,7 +46,7 @@ class Call:
     (decode)."""
 
     __slots__ = tuple(
-        "family function path q k v g beta A_log dt_bias initial_state problem output_final_state out_dtype "
+        "family function path q k v g beta A_log dt_bias initial_state problem output_final_state out_like "
         "want_chunk_states cp indices has_initial_state num_accepted_tokens inplace_final_state out".split()
     )
 
@@ -58,16 +58,23 @@ class Call:
         tensors,
         problem,
         output_final_state,
-        out_dtype,
+        out_like,
         want_chunk_states=False,
         cp=None,
         serving=(None, None, False, None),
     ):
         self.family, self.function, self.path, self.problem = family, function, path, problem
         self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias, self.initial_state = tensors
-        self.output_final_state, self.out_dtype = output_final_state, out_dtype
+        self.output_final_state, self.out_like = output_final_state, out_like
         self.want_chunk_states, self.cp, self.has_initial_state = want_chunk_states, cp, None
         self.indices, self.num_accepted_tokens, self.inplace_final_state, self.out = serving
+
+    @property
+    def out_dtype(self):
+        """The dtype of ``o``: that of the tensor ``out_like`` names ("q" for the chunked functions,
+        "v" for the recurrent ones, as in fla). A name, not the dtype, so that nothing reads an
+        argument before the checks have made sure it is a tensor."""
+        return getattr(self, self.out_like).dtype
 
     def checked(self):
         """What fla's tensor checks read: (family, q, k, v, g, beta, initial_state, cu_seqlens, A_log,

@@ -135,7 +135,7 @@ def chunk_kda(
         not pooled
         and isinstance(initial_state, torch.Tensor)  # (anything else: named by the tensor checks)
         and initial_state.dtype != torch.float32
-        and q.dtype != torch.float64
+        and not (isinstance(q, torch.Tensor) and q.dtype == torch.float64)
     ):
         raise AssertionError("initial_state must be in float32.")
 
@@ -168,7 +168,7 @@ def chunk_kda(
     problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
     path = chunk_path(kwargs, pooled, cp_context)
     keep = return_intermediate_states
-    call = Call(KDA, "chunk_kda", path, tensors, problem, output_final_state, q.dtype, keep, cp_context)
+    call = Call(KDA, "chunk_kda", path, tensors, problem, output_final_state, "q", keep, cp_context)
     if pooled:
         if return_intermediate_states:
             raise NotImplementedError("kda: return_intermediate_states is not available with a state pool")
@@ -188,12 +188,11 @@ def chunk_kda(
                 "torch.no_grad()): the intermediate states carry no gradient"
             )
 
-    h_dtype = k.dtype
     o, final, chunks = run(call)
     if not return_intermediate_states:
         return o, final
     batch = q.shape[0]
-    h = chunks.reshape(batch, chunks.shape[0] // batch, *chunks.shape[1:]).to(h_dtype)
+    h = chunks.reshape(batch, chunks.shape[0] // batch, *chunks.shape[1:]).to(k.dtype)
     return o, final, h
 
 
@@ -232,7 +231,7 @@ def fused_recurrent_kda(
     flags = (scale, state_v_first, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    call = Call(KDA, "fused_recurrent_kda", "recurrent", tensors, problem, output_final_state, v.dtype)
+    call = Call(KDA, "fused_recurrent_kda", "recurrent", tensors, problem, output_final_state, "v")
     return run(call)[:2]
 
 

@@ -23,6 +23,7 @@ from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
     check_key_gate,
+    check_types,
     gate_mode,
     positional_beta_hint,
     reject_unknown,
@@ -129,7 +130,7 @@ def chunk_gated_delta_rule(
     problem = problem_of(GDN, q, cu_seqlens, gate, None, flags)
     path = chunk_path(kwargs, pooled, cp_context)
     function = "chunk_gated_delta_rule"
-    call = Call(GDN, function, path, tensors, problem, output_final_state, q.dtype, cp=cp_context)
+    call = Call(GDN, function, path, tensors, problem, output_final_state, "q", cp=cp_context)
     if pooled:
         call.indices = kwargs.get("ssm_state_indices")
         call.has_initial_state = kwargs.get("has_initial_state")
@@ -184,6 +185,8 @@ def fused_recurrent_gated_delta_rule(
     """
     reject_unknown("fused_recurrent_gated_delta_rule", kwargs, RECURRENT_KWARGS)
     state_v_first = state_v_first_of(state_v_first, kwargs)
+    # beta's and g's defaults are built from v, and gk's checks read q, k and v: their types first
+    check_types(("q", "k", "v", "gk", "gv"), (q, k, v, gk, gv), 3)
     if gv is not None and (g is not None or gk is not None):
         raise NotImplementedError(
             "kda: 'gv' (a decay per value channel) together with another gate is not supported; pass one "
@@ -233,7 +236,7 @@ def fused_recurrent_gated_delta_rule(
     problem = problem_of(family, q, cu_seqlens, gate, None, flags)
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     function = "fused_recurrent_gated_delta_rule"
-    call = Call(family, function, "recurrent", tensors, problem, output_final_state, v.dtype)
+    call = Call(family, function, "recurrent", tensors, problem, output_final_state, "v")
     return run(call)[:2]
 
 

@@ -196,7 +196,7 @@ def fused_recurrent_kda_fwd(
     problem = problem_of(KDA, q, cu_seqlens, gate, lower_bound, flags)
     pool = (ssm_state_indices, num_accepted_tokens, inplace_final_state, out)
     call = Call(
-        KDA, "fused_recurrent_kda_fwd", "recurrent", tensors, problem, output_final_state, None, serving=pool
+        KDA, "fused_recurrent_kda_fwd", "recurrent", tensors, problem, output_final_state, "v", serving=pool
     )
     return decode(call)
 
@@ -241,7 +241,7 @@ def fused_recurrent_gdn_fwd(
     problem = problem_of(GDN, q, cu_seqlens, gate, None, flags)
     pool = (ssm_state_indices, num_accepted_tokens, inplace_final_state, out)
     call = Call(
-        GDN, "fused_recurrent_gdn_fwd", "recurrent", tensors, problem, output_final_state, None, serving=pool
+        GDN, "fused_recurrent_gdn_fwd", "recurrent", tensors, problem, output_final_state, "v", serving=pool
     )
     return decode(call)
 

@@ -274,10 +274,13 @@ def test_an_argument_that_is_not_a_tensor_is_a_type_error_naming_it(function):
     for name, bad in (("cu_seqlens", [0, 5, 20]), ("initial_state", [1.0])):
         with torch.inference_mode(), pytest.raises(TypeError, match=f"'{name}' must be a tensor or None"):
             f(**tensors, **dict(options, **{name: bad}))
+    required = ("q", "k", "v")
     if function != "fused_recurrent_gated_delta_rule":  # there g and beta may be left out
-        for name in ("g", "beta"):
+        required += ("g", "beta")
+    for name in required:  # (q, k and v were read for the output's dtype before they were checked)
+        for bad in (None, [1.0]):
             with (
                 torch.inference_mode(),
-                pytest.raises(TypeError, match=f"'{name}' must be a tensor, got NoneType"),
+                pytest.raises(TypeError, match=f"'{name}' must be a tensor, got {type(bad).__name__}"),
             ):
-                f(**dict(tensors, **{name: None}), **options)
+                f(**dict(tensors, **{name: bad}), **options)
