@@ -4,6 +4,7 @@ exception types (for either gate width), the gate and beta modes fla's flags sel
 that give the engine tensors it reads as they are."""
 
 import math
+import re
 import warnings
 
 import torch
@@ -261,6 +262,35 @@ def side_f32(t, name):
     return None if t is None else side(t, torch.float32, name)
 
 
+# The engine's names for the serving functions' arguments (kda::Plan's and the binding's): its errors
+# name the argument as the Python function does, so that a message says what to change in the call.
+SERVING_NAMES = {
+    "pool": "initial_state",
+    "state_indices": "ssm_state_indices",
+    "pooled_states.indices": "ssm_state_indices",
+}
+
+
+def in_python_names(error, names=SERVING_NAMES):
+    """``error``, an engine error ``"kda: argument 'X': ..."``, with X and the same names in its text
+    renamed by ``names`` (the same exception type; ``error`` itself when nothing is renamed). Only
+    identifiers are renamed in the text: "the pool" there is prose."""
+    message = str(error)
+    head = "kda: argument '"
+    argument, quote, rest = message[len(head) :].partition("'")
+    if not message.startswith(head) or not quote:
+        return error
+    text = rest
+    for name, python_name in names.items():
+        if "_" in name or "." in name:
+            text = re.sub(rf"(?<![\w.]){re.escape(name)}(?![\w.])", python_name, text)
+    if argument not in names and text == rest:
+        return error
+    renamed = type(error)(f"{head}{names.get(argument, argument)}'{text}")
+    renamed.__suppress_context__ = True  # the engine's error, renamed: one message, not two
+    return renamed
+
+
 class fla_errors:
     """A with-block that turns the engine's refusal of a call into fla's error for it: the block runs
     the engine, which validates every argument before it writes anything; ``check(*args)`` raises
@@ -269,10 +299,10 @@ class fla_errors:
     step's whole Python overhead); when torch.compile traces, they run first and cost nothing at run
     time. A context manager, not a wrapper, so that no frame stands between the caller and the engine."""
 
-    __slots__ = ("check", "args")
+    __slots__ = ("check", "args", "names")
 
-    def __init__(self, check, *args):
-        self.check, self.args = check, args
+    def __init__(self, check, *args, names=None):
+        self.check, self.args, self.names = check, args, names
 
     def __enter__(self):
         if torch.compiler.is_compiling():
@@ -285,4 +315,8 @@ class fla_errors:
             except Exception as fla_error:
                 fla_error.__suppress_context__ = True  # fla's error alone, as fla raises it
                 raise
+            if self.names is not None:
+                renamed = in_python_names(error, self.names)
+                if renamed is not error:
+                    raise renamed
         return False  # the engine's own error when fla would accept the call

@@ -16,12 +16,14 @@ from ._arguments import (
     DEVICE_CHECKED,
     NAMES,
     RECURRENT_KWARGS,
+    SERVING_NAMES,
     check_cpu,
     check_shapes,
     check_types,
     check_varlen,
     fla_errors,
     gate_mode,
+    in_python_names,
     prepare_activations,
     reject_unknown,
     side_f32,
@@ -53,6 +55,7 @@ def _serving_checks(call):
     cu_seqlens = call.problem.cu_seqlens
     tensors = (q, k, v, g, beta, call.initial_state, cu_seqlens, call.A_log, call.dt_bias)
     check_types(DEVICE_CHECKED, tensors, len(NAMES))
+    check_types(("out", "has_initial_state"), (call.out, call.has_initial_state), 0)
     check_cpu(DEVICE_CHECKED, tensors)
     check_varlen(q, None, cu_seqlens)
     check_shapes(q, k, v, g, beta, call.family)
@@ -73,6 +76,8 @@ def _index_tensor(name, t):
     # (is_cpu and a module-level tuple: a decode step calls this twice, t.device costs a quarter us)
     if t is None:
         return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"kda: '{name}' must be an int32 or int64 tensor or None, got {type(t).__name__}")
     if not t.is_cpu:
         raise NotImplementedError(f"kda computes on the CPU: '{name}' is on {t.device}")
     if t.dtype not in _INDEX_DTYPES:
@@ -102,7 +107,7 @@ def pooled_prefill(call):
     except AttributeError:  # an argument that is not a tensor: the checks name it
         _serving_checks(call)
         raise
-    with fla_errors(_serving_checks, call):
+    with fla_errors(_serving_checks, call, names=SERVING_NAMES):
         options = call.problem
         q, k, v, g, beta = prepare_activations(q, k, v, g, beta)[0]
         if options.gate == "lower_bound" and A_log is None:
@@ -284,7 +289,7 @@ def decode(call):
     except Exception as engine_error:  # re-raised below when the checks pass
         error = engine_error
     _serving_checks(call)
-    raise error
+    raise in_python_names(error)
 
 
 def _decode(plain, call):
