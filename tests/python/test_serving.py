@@ -416,3 +416,39 @@ def test_decode_op_is_declared_mutating_and_compiles(family, case):
         o_eager = step(eager_pool)
         o_compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_pool)
     assert torch.equal(o_eager, o_compiled) and torch.equal(eager_pool, compiled_pool)
+
+
+def test_pool_arguments_that_are_not_tensors_are_type_errors_naming_them():
+    """The pool's own arguments as lists (what a caller building them by hand might pass): a TypeError
+    naming each, the pool untouched, for the decode and the pooled prefill."""
+    N, HV, K, V = 2, 2, 8, 8
+    pool = torch.randn(4, HV, K, V)
+    before = pool.clone()
+    step = dict(
+        q=torch.randn(N, 1, 1, K),
+        k=torch.randn(N, 1, 1, K),
+        v=torch.randn(N, 1, HV, V),
+        g=-torch.rand(N, 1, HV, K),
+        beta=torch.rand(N, 1, HV),
+        initial_state=pool,
+        ssm_state_indices=torch.tensor([0, 2], dtype=torch.int32),
+    )
+    prefill = dict(
+        {n: t.reshape(1, N, *t.shape[2:]) for n, t in step.items() if n in ("q", "k", "v", "g", "beta")},
+        initial_state=pool,
+        ssm_state_indices=torch.tensor([0, 2], dtype=torch.int32),
+        cu_seqlens=torch.tensor([0, 1, 2]),
+        has_initial_state=torch.tensor([True, False]),
+    )
+    table = dict(ssm_state_indices=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    bad = [
+        (kda.fused_recurrent_kda_fwd, step, "ssm_state_indices", [0, 2], {}),
+        (kda.fused_recurrent_kda_fwd, step, "num_accepted_tokens", [1, 1], table),
+        (kda.fused_recurrent_kda_fwd, step, "out", [0.0], {}),
+        (kda.chunk_kda, prefill, "ssm_state_indices", [0, 2], {}),
+        (kda.chunk_kda, prefill, "has_initial_state", [True, False], {}),
+    ]
+    for function, args, name, value, extra in bad:
+        with torch.inference_mode(), pytest.raises(TypeError, match=f"'{name}' must be .*tensor.*, got list"):
+            function(**dict(args, **extra, **{name: value}))
+        assert torch.equal(pool, before), name
