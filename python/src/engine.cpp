@@ -112,7 +112,8 @@ View activation_view(const std::string& arg, const A& a, const Extent& e, bool h
   if (static_cast<int64_t>(a.shape(0)) != e.B || static_cast<int64_t>(a.shape(1)) != e.T)
     fail_value(arg, "expected B = " + std::to_string(e.B) + " and T = " + std::to_string(e.T) +
                         " (those of q), got shape " + shape_string(a));
-  if (has_dim && a.shape(3) > 1 && a.stride(3) != 1)
+  // (an empty array addresses nothing: torch calls an expanded empty gradient contiguous, strides 0)
+  if (has_dim && a.size() > 0 && a.shape(3) > 1 && a.stride(3) != 1)
     fail_value(arg,
                "the last dimension must be contiguous (stride 1), got stride " + std::to_string(a.stride(3)));
   View v;

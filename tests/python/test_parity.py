@@ -245,6 +245,21 @@ def test_strided_inputs_are_read_in_place(family, case):
     assert o0.shape == (2, 0, 2, 16) and torch.equal(s0, options["initial_state"])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family, case", family_cases([Case(B=2, T=3, H=1, HV=2, K=8, V=8, regime="mild")]))
+def test_an_empty_sequence_has_gradients(family, case, kind):
+    """T = 0 through loss.backward(): o.sum()'s gradient is an expanded empty tensor (strides 0, which
+    torch calls contiguous), read as it is; the initial state's gradient is the final state's."""
+    tensors, options = make_inputs(case)
+    empty = {n: t[:, :0].detach().requires_grad_() for n, t in tensors.items()}
+    h0 = options.pop("initial_state").detach().requires_grad_()
+    f = getattr(kda, function_of(family, kind))
+    o, final = f(**empty, initial_state=h0, output_final_state=True, **options)
+    (o.sum() + 3 * final.sum()).backward()
+    assert torch.equal(h0.grad, torch.full_like(h0, 3.0))
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in empty.values())
+
+
 @pytest.mark.parametrize("family, case", family_cases([Case(T=130, regime="unbounded", **KIMI)]))
 def test_no_nan_from_extreme_finite_inputs(family, case):
     """A_log = 30 (decays of -1e13), raw gates of 1e30, huge logits: every output and gradient finite."""
