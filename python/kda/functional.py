@@ -17,12 +17,14 @@ given ``ssm_state_indices``) live in ``kda.serving``; ``fused_recurrent_kda_fwd`
 here too.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from . import _ops
 from . import cp as _cp
-from ._arguments import RECURRENT_KWARGS, gate_mode, reject_unknown, state_v_first_of
+from ._arguments import RECURRENT_KWARGS, check_types, gate_mode, reject_unknown, state_v_first_of
 from ._call import Call, problem_of
 from ._compute import chunk_path, run
 from ._family import KDA
@@ -243,7 +245,23 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
     ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` may then be None:
     ``lower_bound * sigmoid(g + dt_bias)``), computed in float32 (float64 for float64 input) and
     returned in ``output_dtype``. Softplus is linear above 20, as in torch, fla and kda's fused gate.
+    As in the kernels' fused gate, ``exp(A_log)`` is clamped to the compute dtype's largest value and
+    so is the log decay's magnitude: a finite input gives a finite gate (fla's gives ``-inf`` or NaN
+    past ``A_log = 88``). Bad arguments are errors naming them, as in :func:`chunk_kda`.
     """
+    check_types(("g", "A_log", "dt_bias"), (g, A_log, dt_bias), 1)
+    for name, t in (("g", g), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    if not (isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point):
+        raise TypeError(f"kda: output_dtype must be a floating-point torch.dtype, got {output_dtype!r}")
+    if lower_bound is not None:
+        try:
+            finite = math.isfinite(lower_bound)
+        except (TypeError, ValueError):
+            raise TypeError(f"kda: lower_bound must be a number, got {type(lower_bound).__name__}") from None
+        if not (finite and lower_bound < 0):
+            raise ValueError(f"kda: lower_bound must be a finite number < 0, got {lower_bound}")
     if g.dim() < 2:
         raise ValueError(f"kda: g must have shape [..., HV, K], got {list(g.shape)}")
     HV, K = g.shape[-2:]
@@ -257,12 +275,15 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
         x = x + dt_bias.to(compute).reshape(HV, K)
     if A_log is not None and A_log.numel() != HV:
         raise ValueError(f"kda: A_log must have HV = {HV} elements, got shape {list(A_log.shape)}")
+    largest = torch.finfo(compute).max
     if lower_bound is None:
         if A_log is None:
             raise ValueError("kda: fused_kda_gate needs A_log for the softplus gate (or a lower_bound)")
-        y = -A_log.to(compute).reshape(HV, 1).exp() * F.softplus(x)
+        # (clamped: exp(A_log) = inf times a softplus that underflows to 0 would be NaN)
+        rate = A_log.to(compute).reshape(HV, 1).exp().clamp(max=largest)
+        y = (-rate * F.softplus(x)).clamp(min=-min(largest, torch.finfo(output_dtype).max))
     else:
         if A_log is not None:
-            x = A_log.to(compute).reshape(HV, 1).exp() * x
+            x = A_log.to(compute).reshape(HV, 1).exp().clamp(max=largest) * x
         y = lower_bound * torch.sigmoid(x)
     return y.to(output_dtype)

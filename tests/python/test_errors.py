@@ -253,6 +253,29 @@ def test_gate_helper_errors():
         kda.fused_kda_gate(g, torch.zeros(4), torch.zeros(31))
     with pytest.raises(ValueError, match=r"\[..., HV, K\]"):
         kda.fused_kda_gate(torch.randn(8), torch.zeros(4))
+    # arguments of the wrong kind: errors naming them, as chunk_kda's (they were AttributeErrors, or a
+    # positive or NaN lower_bound computed a gate that grows)
+    bad = [
+        (TypeError, "'g' must be a tensor, got NoneType", dict(g=None, A_log=torch.zeros(4))),
+        (TypeError, "'A_log' must be a tensor or None, got list", dict(g=g, A_log=[0.0] * 4)),
+        (TypeError, "'g' must be a floating-point tensor", dict(g=g.int(), A_log=torch.zeros(4))),
+        (
+            TypeError,
+            "'dt_bias' must be a floating-point",
+            dict(g=g, A_log=torch.zeros(4), dt_bias=torch.zeros(32).int()),
+        ),
+        (
+            TypeError,
+            "output_dtype must be a floating-point",
+            dict(g=g, A_log=torch.zeros(4), output_dtype=torch.int32),
+        ),
+        (TypeError, "lower_bound must be a number", dict(g=g, lower_bound="-5")),
+        (ValueError, "lower_bound must be a finite number < 0", dict(g=g, lower_bound=1.0)),
+        (ValueError, "lower_bound must be a finite number < 0", dict(g=g, lower_bound=float("nan"))),
+    ]
+    for error, message, kwargs in bad:
+        with pytest.raises(error, match=message):
+            kda.fused_kda_gate(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -190,14 +190,20 @@ def test_gate_matches_fla(lower_bound, with_A_log):
     )
 
 
-def test_fused_gate_equals_gate_then_kernel():
-    """chunk_kda(use_gate_in_kernel=True) equals fused_kda_gate followed by chunk_kda on the log decay."""
+@pytest.mark.parametrize("A_log", [None, 100.0], ids=["case", "A_log=100"])
+def test_fused_gate_equals_gate_then_kernel(A_log):
+    """chunk_kda(use_gate_in_kernel=True) equals fused_kda_gate followed by chunk_kda on the log decay,
+    also where exp(A_log) passes fp32's range: both clamp it and the log decay to the largest float
+    (fla's fused_kda_gate gives -inf and NaN there)."""
     tensors, options = make_inputs(Case(T=90, regime="unbounded", **KIMI))
+    if A_log is not None:
+        options["A_log"] = torch.full_like(options["A_log"], A_log)
     with torch.no_grad():
         o_fused, s_fused, _ = run("chunk_kda", tensors, options)
         g = kda.fused_kda_gate(tensors["g"], options["A_log"], options["dt_bias"])
         unfused = {k: v for k, v in options.items() if k not in ("A_log", "dt_bias", "use_gate_in_kernel")}
         o, s, _ = run("chunk_kda", dict(tensors, g=g), unfused)
+    assert torch.isfinite(g).all() and torch.isfinite(o).all()
     assert rel_rms(o_fused, o) <= 2e-6 and rel_rms(s_fused, s) <= 2e-6
 
 
