@@ -20,10 +20,15 @@ def problem_of(family, q, cu_seqlens, gate, lower_bound, flags):
     scale, state_v_first, qk_l2norm, beta_sigmoid, neg_eigval = flags
     try:
         scale = default_scale(q, scale)
-    except (AttributeError, IndexError, TypeError):
-        pass  # q is no tensor of a head dimension: fla's checks name it when the engine refuses it
+    except (AttributeError, IndexError, TypeError, ValueError):
+        if scale is not None:  # (then only float(scale) could fail)
+            raise TypeError(f"kda: scale must be a number, got {type(scale).__name__}") from None
+        # q is no tensor of a head dimension: fla's checks name it when the engine refuses it
     beta_mode = beta_mode_of(beta_sigmoid, neg_eigval)
-    lower_bound = default_lower_bound(lower_bound)
+    try:
+        lower_bound = default_lower_bound(lower_bound)
+    except (TypeError, ValueError):
+        raise TypeError(f"kda: lower_bound must be a number, got {type(lower_bound).__name__}") from None
     return Options(
         cu_seqlens,
         scale,

@@ -106,6 +106,12 @@ def test_fla_option_checks(function):
         _call(function, tensors, options, use_gate_in_kernel=True)
     with pytest.raises(ValueError, match="lower_bound must be a finite number < 0"):
         _call(function, tensors, options, use_gate_in_kernel=True, lower_bound=0.5)
+    # numbers of the wrong kind name themselves (float("x") said only "could not convert string")
+    for kwargs in (dict(scale="half"), dict(scale=[0.5])):
+        with pytest.raises(TypeError, match="scale must be a number"):
+            _call(function, tensors, options, **kwargs)
+    with pytest.raises(TypeError, match="lower_bound must be a number, got str"):
+        _call(function, tensors, options, use_gate_in_kernel=True, lower_bound="low")
 
 
 def test_chunk_kda_specific_checks():
