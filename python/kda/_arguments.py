@@ -199,13 +199,18 @@ def gate_mode(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, functi
         )
     if lower_bound is None:
         return "softplus"
+    check_lower_bound(lower_bound)
+    return "lower_bound"
+
+
+def check_lower_bound(lower_bound):
+    """The bounded gate's ``lower_bound``: a finite number < 0 (a TypeError when it is no number)."""
     try:
         finite = math.isfinite(lower_bound)
     except (TypeError, ValueError):
         raise TypeError(f"kda: lower_bound must be a number, got {type(lower_bound).__name__}") from None
     if not (finite and lower_bound < 0):
         raise ValueError(f"kda: lower_bound must be a finite number < 0, got {lower_bound}")
-    return "lower_bound"
 
 
 def beta_mode_of(use_beta_sigmoid_in_kernel, allow_neg_eigval):

@@ -17,14 +17,19 @@ given ``ssm_state_indices``) live in ``kda.serving``; ``fused_recurrent_kda_fwd`
 here too.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from . import _ops
 from . import cp as _cp
-from ._arguments import RECURRENT_KWARGS, check_types, gate_mode, reject_unknown, state_v_first_of
+from ._arguments import (
+    RECURRENT_KWARGS,
+    check_lower_bound,
+    check_types,
+    gate_mode,
+    reject_unknown,
+    state_v_first_of,
+)
 from ._call import Call, problem_of
 from ._compute import chunk_path, run
 from ._family import KDA
@@ -256,12 +261,7 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
     if not (isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point):
         raise TypeError(f"kda: output_dtype must be a floating-point torch.dtype, got {output_dtype!r}")
     if lower_bound is not None:
-        try:
-            finite = math.isfinite(lower_bound)
-        except (TypeError, ValueError):
-            raise TypeError(f"kda: lower_bound must be a number, got {type(lower_bound).__name__}") from None
-        if not (finite and lower_bound < 0):
-            raise ValueError(f"kda: lower_bound must be a finite number < 0, got {lower_bound}")
+        check_lower_bound(lower_bound)
     if g.dim() < 2:
         raise ValueError(f"kda: g must have shape [..., HV, K], got {list(g.shape)}")
     HV, K = g.shape[-2:]
