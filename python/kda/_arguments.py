@@ -38,6 +38,14 @@ def state_v_first_of(state_v_first, kwargs):
     return bool(kwargs["transpose_state_layout"])
 
 
+def check_floating(names, tensors):
+    """Every tensor given (None: skipped) of a floating-point dtype: a TypeError naming it, where a
+    cast would drop an integer's fractions or a complex number's imaginary part."""
+    for name, t in zip(names, tensors, strict=True):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+
+
 def check_cpu(names, tensors):
     for name, t in zip(names, tensors, strict=True):
         if t is not None and not t.is_cpu:
@@ -113,8 +121,7 @@ def check_key_gate(gk, q, k, v):
             f"kda: 'gk' must be a 4-D tensor [B, T, HV, K] (one log decay per key channel), got shape "
             f"{list(gk.shape)}; a decay per head [B, T, HV] is passed as 'g'{positional_beta_hint(gk)}"
         )
-    if not gk.is_floating_point():
-        raise TypeError(f"kda: 'gk' must be a floating-point tensor, got {gk.dtype}")
+    check_floating(("gk",), (gk,))
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return  # fused_recurrent_kda names the tensor of the wrong rank
     if q.shape != k.shape:
@@ -244,9 +251,7 @@ def prepare_activations(q, k, v, g, beta):
     ):
         return (q, k, v, g, beta), torch.float32  # the common case: read as they are
     acts = (q, k, v, g, beta)
-    for name, t in zip(NAMES, acts, strict=True):
-        if not t.is_floating_point():
-            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    check_floating(NAMES, acts)
     if any(t.dtype == torch.float64 for t in acts):
         return tuple(_engine_ready(t.double()) for t in acts), torch.float64
     # float16 and other narrow floats are computed in float32; q and k are read in one dtype.
@@ -262,8 +267,7 @@ def side(t, dtype, name):
     where a cast would drop its fractions or its imaginary part)."""
     if t.dtype == dtype and t.is_contiguous():
         return t
-    if not t.is_floating_point():
-        raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    check_floating((name,), (t,))
     return t.to(dtype).contiguous()
 
 

@@ -24,6 +24,7 @@ from . import _ops
 from . import cp as _cp
 from ._arguments import (
     RECURRENT_KWARGS,
+    check_floating,
     check_lower_bound,
     check_types,
     gate_mode,
@@ -255,9 +256,7 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
     past ``A_log = 88``). Bad arguments are errors naming them, as in :func:`chunk_kda`.
     """
     check_types(("g", "A_log", "dt_bias"), (g, A_log, dt_bias), 1)
-    for name, t in (("g", g), ("A_log", A_log), ("dt_bias", dt_bias)):
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    check_floating(("g", "A_log", "dt_bias"), (g, A_log, dt_bias))
     if not (isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point):
         raise TypeError(f"kda: output_dtype must be a floating-point torch.dtype, got {output_dtype!r}")
     if lower_bound is not None:

@@ -18,6 +18,7 @@ from ._arguments import (
     RECURRENT_KWARGS,
     SERVING_NAMES,
     check_cpu,
+    check_floating,
     check_shapes,
     check_types,
     check_varlen,
@@ -62,9 +63,7 @@ def _serving_checks(call):
     for name, t in (("ssm_state_indices", call.indices), ("num_accepted_tokens", call.num_accepted_tokens)):
         _index_tensor(name, t)
     acts = (q, k, v, g, beta)
-    for name, t in zip(NAMES, acts, strict=True):
-        if not t.is_floating_point():
-            raise TypeError(f"kda: '{name}' must be a floating-point tensor, got {t.dtype}")
+    check_floating(NAMES, acts)
     if any(t.dtype == torch.float64 for t in acts):  # checked on the dtypes: no cast is made here
         raise TypeError(f"kda: {call.function} computes in float32 / bfloat16; got float64 inputs")
 
